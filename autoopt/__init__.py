@@ -1,0 +1,20 @@
+"""autoopt: make PyTorch models use their hardware well.
+
+    fast = autoopt.optimize(model, example_inputs)   # same function, verified against eager
+    print(fast.report)                                # what was captured and rewritten
+"""
+
+from .api import OptimizedModule, optimize
+from .backend import autoopt_backend
+from .config import OptimizeConfig
+from .errors import AutoOptError, ConfigError, DeviceError, InputError, ModelError, ModelSpecError
+from .report import CaptureRecord, PassRecord, Report
+from .verify import Tolerance, VerifyResult
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutoOptError", "CaptureRecord", "ConfigError", "DeviceError", "InputError", "ModelError",
+    "ModelSpecError", "OptimizeConfig", "OptimizedModule", "PassRecord", "Report", "Tolerance",
+    "VerifyResult", "autoopt_backend", "optimize",
+]

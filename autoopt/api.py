@@ -1,0 +1,388 @@
+"""``autoopt.optimize``: capture, optimize, verify; and the module it returns."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+from torch.utils import _pytree as pytree
+
+from . import capture as capture_lib
+from .backend import autoopt_backend
+from .config import OptimizeConfig
+from .errors import DeviceError, InputError, ModelError
+from .guards import InputSignature, current_modes, signature_of
+from .passes import PassContext
+from .pipeline import run_pipeline
+from .report import CaptureRecord, Report
+from .state import has_hooks, preserved, python_state, uses_custom_autograd
+from .verify import VerifyResult, _leaves, check_all, input_sets
+
+log = logging.getLogger(__name__)
+
+
+def optimize(model: nn.Module, example_inputs: Any = (), example_kwargs: Mapping[str, Any] | None
+             = None, *, device: str | torch.device | None = None,
+             config: OptimizeConfig | Mapping[str, Any] | None = None, dynamic: bool = False,
+             dynamic_shapes: Any = None, **options: Any) -> OptimizedModule:
+    """Return a module that computes what ``model`` computes, faster, checked against eager.
+
+    ``model`` itself is never modified: autoopt works on a private copy.
+
+    Args:
+        model: the module to optimize.
+        example_inputs: positional inputs, as a tuple (a single tensor is accepted).
+        example_kwargs: keyword inputs.
+        device: where the optimized module runs; default: where the model's parameters are.
+        config: an ``OptimizeConfig`` or a dict of its fields.
+        dynamic: let every dimension vary where the model allows (batch, sequence length).
+        dynamic_shapes: ``torch.export``-style per-input dynamic dimensions; wins over dynamic.
+        **options: ``OptimizeConfig`` fields, e.g. ``verify=False``, ``disable=["dead_code"]``.
+
+    Example:
+        >>> fast = autoopt.optimize(torchvision.models.resnet18().eval(), (x,))
+        >>> print(fast.report)
+    """
+    cfg = OptimizeConfig.build(config, options)
+    model = _unwrap(model)
+    args, kwargs = _check_inputs(example_inputs, example_kwargs)
+    target = _resolve_device(model, device)
+    try:
+        private = copy.deepcopy(model)
+    except Exception as exc:
+        raise ModelError(f"autoopt needs a private copy of the model (it never modifies yours), "
+                         f"but copy.deepcopy failed: {type(exc).__name__}: {exc}. Make the "
+                         f"module deep-copyable (no open files, locks or generators as "
+                         f"attributes).") from exc
+    if target is not None:
+        private.to(target)
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(target), (args, kwargs))
+    _check_devices_and_dtypes(private, args, kwargs)
+    optimized = OptimizedModule(private, cfg, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
+    optimized.specialize(args, kwargs)
+    return optimized
+
+
+@dataclass
+class _Specialization:
+    """A compiled form of the model and the inputs it may be called with (None: any)."""
+
+    signature: InputSignature | None
+    method: str
+    run: Callable[..., Any]
+
+
+class OptimizedModule(nn.Module):
+    """The module ``optimize`` returns.
+
+    Calls are routed to the graph captured for the call's input signature; a new signature is
+    captured, optimized and verified on first use (up to ``max_specializations``, then it
+    runs eagerly). ``report`` says what was done. ``module`` is autoopt's private copy of the
+    original model (parameters live there and are shared with the graphs).
+    """
+
+    def __init__(self, module: nn.Module, config: OptimizeConfig, *, dynamic: bool = False,
+                 dynamic_shapes: Any = None) -> None:
+        super().__init__()
+        self.module = module
+        self.report = Report()
+        self._config = config
+        self._dynamic = dynamic
+        self._dynamic_shapes = dynamic_shapes
+        self._specializations: list[_Specialization] = []
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        spec = self._find(args, kwargs) or self.specialize(args, kwargs)
+        return spec.run(*args, **kwargs)
+
+    def _find(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Specialization | None:
+        modes = current_modes(self.module)
+        for spec in self._specializations:
+            if spec.signature is None or spec.signature.matches(args, kwargs, modes):
+                return spec
+        return None
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> OptimizedModule:
+        # .to(), .half(), .cuda(): graphs may hold device- or dtype-specific constants, so
+        # they are dropped and captured again on the next call.
+        super()._apply(fn, recurse)
+        self._specializations.clear()
+        return self
+
+    def specialize(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> _Specialization:
+        """Capture, optimize and verify for this input signature; record it in ``report``."""
+        kwargs = dict(kwargs)
+        if len(self._specializations) >= self._config.max_specializations:
+            return self._eager_beyond_limit(args, kwargs)
+        start = time.perf_counter()
+        record = CaptureRecord(inputs=signature_of(args, kwargs, self.module).describe())
+        self.report.captures.append(record)
+        obstacles = self._probe(args, kwargs)
+        spec = None
+        for method in self._config.capture:
+            if method != "dynamo" and obstacles:
+                record.attempts.append((method, "skipped: " + "; ".join(obstacles)))
+                continue
+            try:
+                spec = getattr(self, f"_capture_{method}")(args, kwargs, record)
+                break
+            except Exception as exc:  # noqa: BLE001 - each failure is a reason, not a crash
+                log.info("capture by %s failed: %s", method, exc)
+                record.attempts.append((method, _reason(exc)))
+        if spec is None:
+            spec = _Specialization(None, "eager", self.module)
+            record.method = "eager"
+            self.report.warnings.append(
+                "no capture method could take the model; it runs eagerly (see attempts)")
+        record.seconds = time.perf_counter() - start
+        self._specializations.append(spec)
+        return spec
+
+    def _eager_beyond_limit(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                            ) -> _Specialization:
+        limit = self._config.max_specializations
+        message = (f"{limit} input signatures captured (max_specializations); new ones run "
+                   f"eagerly. Pass dynamic=True to let shapes vary in one graph.")
+        if message not in self.report.warnings:
+            self.report.warnings.append(message)
+            warnings.warn(f"autoopt: {message}", stacklevel=3)
+        return _Specialization(signature_of(args, kwargs, self.module), "eager", self.module)
+
+    def _probe(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+        """Run eagerly once; return why a whole-graph capture could not replay this model."""
+        obstacles = []
+        if has_hooks(self.module):
+            obstacles.append("the model has forward/backward hooks, which a graph would run "
+                             "only once at capture time")
+        with preserved(self.module):
+            before = python_state(self.module)
+            try:
+                out = self.module(*args, **kwargs)
+            except Exception as exc:
+                raise ModelError(f"the model raised {type(exc).__name__} when run eagerly on "
+                                 f"the example inputs: {exc}. Check the inputs' number, shapes "
+                                 f"and dtypes against the model's forward.") from exc
+            changed = sorted(f"{p + '.' if p else ''}{k}" for (p, k), v in
+                             python_state(self.module).items() if before.get((p, k)) != v)
+            if changed:
+                obstacles.append(f"forward changes Python state ({', '.join(changed[:3])})")
+            if torch.is_grad_enabled() and uses_custom_autograd(out):
+                obstacles.append("the model uses a custom autograd.Function, whose backward "
+                                 "a traced graph would drop")
+        return obstacles
+
+    # --- capture methods, tried in config.capture order -------------------------------------
+
+    def _capture_export(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                        record: CaptureRecord) -> _Specialization:
+        gm = capture_lib.export_graph(self.module, args, kwargs, self._dynamic,
+                                      self._dynamic_shapes)
+        flat = capture_lib.flat_example_inputs(gm, args, kwargs)
+        gm = self._optimize_graph(gm, flat, args, kwargs, record, "export",
+                                  lambda g: g)
+        return _Specialization(signature_of(args, kwargs, self.module, gm), "export", gm)
+
+    def _capture_symbolic_trace(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                                record: CaptureRecord) -> _Specialization:
+        gm, positional = capture_lib.symbolic_trace_graph(self.module, args, kwargs)
+
+        def adapt(g: GraphModule) -> Callable[..., Any]:
+            return lambda *a, **k: g(*positional(*a, **k))
+
+        gm = self._optimize_graph(gm, positional(*args, **kwargs), args, kwargs, record,
+                                  "symbolic_trace", adapt)
+        return _Specialization(signature_of(args, kwargs, self.module), "symbolic_trace",
+                               adapt(gm))
+
+    def _capture_dynamo(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                        record: CaptureRecord) -> _Specialization:
+        record.method = "dynamo"
+        backend = functools.partial(autoopt_backend, config=self._config, record=record)
+        compiled = torch.compile(self.module, backend=backend,
+                                 dynamic=True if self._dynamic else None)
+        if self._config.verify:
+            result = self._verify(compiled, args, kwargs)
+            record.verification = result
+            if not result.ok:
+                torch._dynamo.reset()
+                raise _Mismatch(f"compiled module differs from eager: {result.detail}")
+        return _Specialization(None, "dynamo", compiled)
+
+    def _optimize_graph(self, gm: GraphModule, flat_inputs: tuple[Any, ...],
+                        args: tuple[Any, ...], kwargs: dict[str, Any], record: CaptureRecord,
+                        method: str, adapt: Callable[[GraphModule], Callable[..., Any]],
+                        ) -> GraphModule:
+        """Verify the captured graph, then run the pass pipeline on it with rollback."""
+        record.method = method
+        if self._config.verify:
+            captured = self._verify(adapt(gm), args, kwargs, gm)
+            if not captured.ok:
+                raise _Mismatch(f"captured graph differs from eager: {captured.detail}")
+        record.nodes_before = len(gm.graph.nodes)
+
+        def check(candidate: GraphModule) -> VerifyResult:
+            return self._verify(adapt(candidate), args, kwargs, candidate)
+
+        device = _model_device(self.module) or torch.device("cpu")
+        training = torch.is_grad_enabled() and any(p.requires_grad
+                                                   for p in self.module.parameters())
+        ctx = PassContext(flat_inputs, device, training, None, dict(self._config.pass_options))
+        optimized, records = run_pipeline(gm, self._config.passes, ctx,
+                                          check if self._config.verify else None,
+                                          disabled=self._config.disable,
+                                          debug=self._config.debug)
+        record.passes = records
+        record.nodes_after = len(optimized.graph.nodes)
+        if self._config.verify:
+            record.verification = check(optimized)
+            if not record.verification.ok:  # every pass was checked; this is the capture's
+                raise _Mismatch(f"optimized graph differs from eager: "
+                                f"{record.verification.detail}")
+        return optimized
+
+    def _verify(self, candidate: Callable[..., Any], args: tuple[Any, ...],
+                kwargs: dict[str, Any], state: nn.Module | None = None) -> VerifyResult:
+        """Compare ``candidate`` with eager on the example and fresh inputs: outputs and the
+        buffers each leaves behind (BatchNorm statistics in training)."""
+        module = self.module
+        holders = [m for m in (module, state) if m is not None]
+
+        def run(fn: Callable[..., Any], owner: nn.Module, a: tuple[Any, ...],
+                k: dict[str, Any]) -> Any:
+            with preserved(*holders):
+                torch.manual_seed(0)
+                out = fn(*a, **k)
+                leaves = {p: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                          for p, v in _leaves(out, "output")}
+                buffers = {n: b.detach().clone() for n, b in owner.named_buffers()}
+            return leaves, buffers
+
+        def run_pair(a: tuple[Any, ...], k: dict[str, Any]) -> tuple[Any, Any]:
+            expected, expected_buffers = run(module, module, a, k)
+            actual, actual_buffers = run(candidate, state or module, a, k)
+            common = sorted(expected_buffers.keys() & actual_buffers.keys())
+            return ((expected, {n: expected_buffers[n] for n in common}),
+                    (actual, {n: actual_buffers[n] for n in common}))
+
+        sets = input_sets(args, kwargs, self._config.random_inputs)
+        return check_all(run_pair, sets, self._config.tolerances)
+
+
+class _Mismatch(Exception):
+    """A capture produced a graph that is not the model's function; try the next method."""
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0][:240] if text else ""
+    return f"{type(exc).__name__}: {first}" if not isinstance(exc, _Mismatch) else first
+
+
+def _unwrap(model: Any) -> nn.Module:
+    if isinstance(model, OptimizedModule):
+        return model.module
+    original = getattr(model, "_orig_mod", None)  # torch.compile's wrapper
+    if isinstance(original, nn.Module):
+        return original
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"optimize expects a torch.nn.Module; got {type(model).__name__}. "
+                         "Wrap a function in an nn.Module whose forward calls it.")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise ModelError("TorchScript modules cannot be captured; pass the original Python "
+                         "nn.Module instead of the torch.jit.script/trace result.")
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ModelError(f"parameters on the meta device have no values ({meta[0]}, ...); "
+                         "load or initialise the weights (e.g. model.to_empty(device=...) "
+                         "then load_state_dict) before optimizing.")
+    return model
+
+
+def _check_inputs(example_inputs: Any, example_kwargs: Mapping[str, Any] | None,
+                  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if isinstance(example_inputs, Mapping):
+        raise InputError("example_inputs is a dict; pass keyword inputs as example_kwargs="
+                         "{...} and positional ones as a tuple.")
+    if not isinstance(example_inputs, tuple):
+        hint = (" If the model's first argument is a list, pass (your_list,)."
+                if isinstance(example_inputs, list) else "")
+        raise InputError(f"example_inputs must be a tuple of positional arguments (or one "
+                         f"tensor); got {type(example_inputs).__name__}.{hint}")
+    if example_kwargs is None:
+        example_kwargs = {}
+    if not isinstance(example_kwargs, Mapping) or not all(isinstance(k, str)
+                                                          for k in example_kwargs):
+        raise InputError(f"example_kwargs must be a dict from argument name to value; got "
+                         f"{type(example_kwargs).__name__}.")
+    leaves = [x for x in pytree.tree_leaves((example_inputs, dict(example_kwargs)))
+              if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    if any(not bool(torch.isfinite(x).all()) for x in leaves if not x.is_meta):
+        warnings.warn("autoopt: example inputs contain NaN or Inf; verification cannot judge "
+                      "outputs computed from them. Pass finite example inputs.", stacklevel=3)
+    return example_inputs, dict(example_kwargs)
+
+
+def _model_device(model: nn.Module) -> torch.device | None:
+    for t in list(model.parameters()) + list(model.buffers()):
+        return t.device
+    return None
+
+
+def _resolve_device(model: nn.Module, device: str | torch.device | None) -> torch.device | None:
+    if device is None:
+        return None
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise DeviceError(f"device={device!r} is not a device name; use 'cpu', 'cuda' or "
+                          f"'cuda:N'.") from exc
+    if target.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"device={device!r} asks for CUDA but no CUDA GPU is available "
+                              f"(torch.cuda.is_available() is False); use device='cpu'.")
+        if target.index is not None and target.index >= torch.cuda.device_count():
+            raise DeviceError(f"device={device!r} but only {torch.cuda.device_count()} CUDA "
+                              f"device(s) exist.")
+    return target
+
+
+def _check_devices_and_dtypes(model: nn.Module, args: tuple[Any, ...],
+                              kwargs: dict[str, Any]) -> None:
+    device = _model_device(model)
+    float_dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    flat, _ = pytree.tree_flatten_with_path((args, kwargs))
+    for path, value in flat:
+        if not isinstance(value, torch.Tensor):
+            continue
+        where = _input_name(path)
+        if device is not None and value.device != device and value.dim() > 0:
+            raise InputError(f"example input {where} is on {value.device} but the model is on "
+                             f"{device}; move it with .to('{device}') or pass device=.")
+        if (value.is_floating_point() and len(float_dtypes) == 1
+                and value.dtype not in float_dtypes):
+            model_dtype = next(iter(float_dtypes))
+            raise InputError(f"example input {where} is {value.dtype} but the model's "
+                             f"parameters are {model_dtype}; cast the input with "
+                             f".to({model_dtype}) (or the model, for reduced precision).")
+
+
+def _input_name(path: tuple[Any, ...]) -> str:
+    text = "".join(str(p) for p in path)
+    if text.startswith("[0]"):
+        return "args" + text[3:]
+    if text.startswith("[1]"):
+        return "kwargs" + text[3:]
+    return text or "input"
+
+

@@ -1,0 +1,105 @@
+"""autoopt as a ``torch.compile`` backend: ``torch.compile(model, backend="autoopt")``.
+
+Dynamo captures what it can (guarding shapes, flags, Python state, hooks) and hands each
+captured subgraph here; the pass pipeline runs on it, checked against the subgraph as Dynamo
+gave it. This is also how ``optimize`` handles models no whole-graph capture can take.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from .capture import annotate
+from .config import OptimizeConfig
+from .passes import PassContext
+from .pipeline import copy_graph_module, run_pipeline
+from .report import CaptureRecord, PassRecord
+from .verify import VERIFY_SEED, VerifyResult, check_all, fresh_like
+
+
+def autoopt_backend(gm: GraphModule, example_inputs: Sequence[Any], *,
+                    config: OptimizeConfig | None = None,
+                    record: CaptureRecord | None = None, **options: Any) -> Callable[..., Any]:
+    """Optimize one Dynamo subgraph and return the callable Dynamo will run.
+
+    Args:
+        gm: the subgraph, at torch-function level, parameters as inputs.
+        example_inputs: its real example inputs.
+        config: autoopt options; ``**options`` are merged into it (``torch.compile(...,
+            options={"disable": ["remove_noops"]})``).
+        record: where to add this subgraph's pass records (``optimize`` passes one).
+    """
+    config = OptimizeConfig.build(config, options) if options or config is None else config
+    start = time.perf_counter()
+    annotate(gm, list(example_inputs))
+    reference = copy_graph_module(gm)
+    inputs = list(example_inputs)
+
+    def check(candidate: GraphModule) -> VerifyResult:
+        return verify_graph(reference, candidate, inputs, config)
+
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    ctx = PassContext(tuple(inputs), device, training=torch.is_grad_enabled() and any(
+        t.requires_grad for t in tensors), options=dict(config.pass_options))
+    optimized, records = run_pipeline(gm, config.passes, ctx, check if config.verify else None,
+                                      disabled=config.disable, debug=config.debug)
+    if record is not None:
+        record.subgraphs += 1
+        record.nodes_before += len(reference.graph.nodes)
+        record.nodes_after += len(optimized.graph.nodes)
+        _merge(record, records)
+        record.seconds += time.perf_counter() - start
+    return optimized
+
+
+def verify_graph(reference: GraphModule, candidate: GraphModule, example_inputs: list[Any],
+                 config: OptimizeConfig) -> VerifyResult:
+    """Compare two graphs taking the same flat inputs: outputs, and what they write to inputs.
+
+    Each run gets its own clone of every non-parameter tensor input, so in-place updates
+    (BatchNorm statistics) are compared rather than leaked into the caller's tensors.
+    """
+    generator = torch.Generator().manual_seed(VERIFY_SEED)
+    sets = [(tuple(example_inputs), {})]
+    for _ in range(config.random_inputs):
+        sets.append((tuple(fresh_like(x, generator) for x in example_inputs), {}))
+
+    def run_pair(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        results = []
+        for graph in (reference, candidate):
+            private = [x.detach().clone().requires_grad_(x.requires_grad)
+                       if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
+                       else x for x in args]
+            with torch.random.fork_rng():
+                torch.manual_seed(0)
+                out = graph(*private)
+            written = [x for x, original in zip(private, args, strict=True)
+                       if isinstance(x, torch.Tensor) and x is not original]
+            results.append((out, written))
+        return results[0], results[1]
+
+    return check_all(run_pair, sets, config.tolerances)
+
+
+def _merge(record: CaptureRecord, records: list[PassRecord]) -> None:
+    by_name = {r.name: r for r in record.passes}
+    for r in records:
+        seen = by_name.get(r.name)
+        if seen is None:
+            copy = PassRecord(r.name, r.status, dict(r.counts), r.seconds, r.reason)
+            record.passes.append(copy)
+            by_name[r.name] = copy
+            continue
+        seen.seconds += r.seconds
+        for k, v in r.counts.items():
+            if r.status == "applied":
+                seen.counts[k] = seen.counts.get(k, 0) + v
+        # A rollback in any subgraph is what the user needs to see.
+        if r.status in ("rolled_back", "failed") or seen.status in ("unchanged", "disabled"):
+            seen.status, seen.reason = r.status, r.reason or seen.reason

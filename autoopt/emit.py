@@ -1,0 +1,27 @@
+"""Write an optimized module out."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from .errors import ModelError
+
+
+def save_program(optimized: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                 path: str) -> None:
+    """Save the graph ``optimized`` runs for these inputs as a ``torch.export`` ``.pt2`` file.
+
+    Only whole-graph captures can be saved; a model that runs partly eagerly cannot.
+    """
+    spec = optimized._find(tuple(args), dict(kwargs))
+    if spec is None or not isinstance(spec.run, GraphModule):
+        method = spec.method if spec is not None else "none"
+        raise ModelError(f"cannot save: the model was captured by {method!r}, not as one whole "
+                         "graph, so there is no single program to write. Make the model "
+                         "exportable (see the report's capture attempts).")
+    program = torch.export.export(spec.run, tuple(args), dict(kwargs), strict=False)
+    torch.export.save(program, path)

@@ -1,0 +1,27 @@
+"""Errors autoopt raises for bad input. Each message names what is wrong and what to do."""
+
+from __future__ import annotations
+
+
+class AutoOptError(Exception):
+    """Base class of every error autoopt raises on purpose."""
+
+
+class ModelError(AutoOptError, TypeError):
+    """The model is not something autoopt can optimize (not a module, fails in eager, ...)."""
+
+
+class InputError(AutoOptError, ValueError):
+    """The example inputs do not fit the model (wrong container, dtype or device)."""
+
+
+class ConfigError(AutoOptError, ValueError):
+    """An option passed to ``optimize`` is unknown or has an impossible value."""
+
+
+class DeviceError(AutoOptError, RuntimeError):
+    """The requested device is not present on this machine."""
+
+
+class ModelSpecError(AutoOptError, ValueError):
+    """A command-line MODEL spec could not be resolved to an ``nn.Module``."""

@@ -1,0 +1,121 @@
+"""Resolve command-line MODEL specs and input specs into modules and tensors."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import ModelSpecError
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64,
+           "int64": torch.int64, "long": torch.int64, "int32": torch.int32, "bool": torch.bool}
+
+
+def load_model(spec: str) -> nn.Module:
+    """``package.module:factory``, ``path/to/file.py:Name`` or ``model.pt2`` → an nn.Module.
+
+    A factory or class is called with no arguments; a module instance is used as it is.
+    """
+    if spec.endswith(".pt2"):
+        path = Path(spec)
+        if not path.is_file():
+            raise ModelSpecError(f"MODEL {spec!r}: no such .pt2 file")
+        try:
+            return torch.export.load(str(path)).module()
+        except Exception as exc:
+            raise ModelSpecError(f"MODEL {spec!r} is not a readable torch.export program: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+    if ":" not in spec:
+        raise ModelSpecError(f"MODEL {spec!r} must be 'package.module:factory', "
+                             "'path/to/file.py:Name' or a .pt2 file")
+    where, name = spec.rsplit(":", 1)
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise ModelSpecError(f"MODEL {spec!r}: no such file {where!r}")
+        module_name = "_autoopt_user_" + re.sub(r"\W", "_", path.stem)
+        loader = importlib.util.spec_from_file_location(module_name, path)
+        if loader is None or loader.loader is None:
+            raise ModelSpecError(f"MODEL {spec!r}: cannot load {where!r} as Python")
+        source = importlib.util.module_from_spec(loader)
+        sys.modules[module_name] = source
+        try:
+            loader.loader.exec_module(source)
+        except Exception as exc:
+            raise ModelSpecError(f"MODEL {spec!r}: running {where!r} raised "
+                                 f"{type(exc).__name__}: {exc}") from exc
+    else:
+        try:
+            source = importlib.import_module(where)
+        except ImportError as exc:
+            raise ModelSpecError(f"MODEL {spec!r}: cannot import {where!r} ({exc})") from exc
+    target = getattr(source, name, None)
+    if target is None:
+        raise ModelSpecError(f"MODEL {spec!r}: {where!r} has no attribute {name!r}")
+    if isinstance(target, nn.Module):
+        return target
+    if not callable(target):
+        raise ModelSpecError(f"MODEL {spec!r}: {name!r} is neither a module nor callable")
+    try:
+        model = target()
+    except Exception as exc:
+        raise ModelSpecError(f"MODEL {spec!r}: calling {name}() raised {type(exc).__name__}: "
+                             f"{exc}") from exc
+    if not isinstance(model, nn.Module):
+        raise ModelSpecError(f"MODEL {spec!r}: {name}() returned {type(model).__name__}, "
+                             "not an nn.Module")
+    return model
+
+
+def parse_input(text: str, default_dtype: str = "float32", int_high: int = 100,
+                ) -> tuple[str | None, torch.Tensor]:
+    """``[NAME=]1x3x224x224[:dtype]`` → (name or None, a random tensor of that shape).
+
+    Floating inputs are standard normal; integer inputs uniform in ``[0, int_high)``.
+    """
+    name = None
+    body = text
+    if "=" in body:
+        name, body = body.split("=", 1)
+        if not name.isidentifier():
+            raise ModelSpecError(f"--input {text!r}: {name!r} is not an argument name")
+    dtype_name = default_dtype
+    if ":" in body:
+        body, dtype_name = body.split(":", 1)
+    if not re.fullmatch(r"\d+(x\d+)*", body):
+        raise ModelSpecError(f"--input {text!r}: shape must look like 1x3x224x224")
+    if dtype_name not in _DTYPES:
+        raise ModelSpecError(f"--input {text!r}: unknown dtype {dtype_name!r}; use one of "
+                             f"{sorted(_DTYPES)}")
+    shape = tuple(int(d) for d in body.split("x"))
+    dtype = _DTYPES[dtype_name]
+    if dtype.is_floating_point:
+        return name, torch.randn(shape, dtype=dtype)
+    if dtype == torch.bool:
+        return name, torch.ones(shape, dtype=torch.bool)
+    return name, torch.randint(0, int_high, shape, dtype=dtype)
+
+
+def model_inputs(specs: list[str], default_dtype: str, int_high: int,
+                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    for spec in specs:
+        name, tensor = parse_input(spec, default_dtype, int_high)
+        if name is None:
+            if kwargs:
+                raise ModelSpecError(f"--input {spec!r}: positional inputs must come before "
+                                     "named ones")
+            args.append(tensor)
+        else:
+            kwargs[name] = tensor
+    return tuple(args), kwargs

@@ -1,0 +1,102 @@
+"""What ``optimize`` did, in a form both a person and a test can read."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .verify import VerifyResult
+
+
+@dataclass
+class PassRecord:
+    """One pass's outcome on one graph.
+
+    ``status`` is ``applied`` (changed the graph and was kept), ``unchanged``, ``rolled_back``
+    (its result failed lint or verification), ``failed`` (it raised) or ``disabled``.
+    """
+
+    name: str
+    status: str
+    counts: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    reason: str = ""
+
+
+@dataclass
+class CaptureRecord:
+    """How one input signature was captured and optimized.
+
+    Args:
+        inputs: the input signature, e.g. ``x: f32[1, 3, 224, 224]``.
+        method: ``export``, ``symbolic_trace``, ``dynamo`` (partial capture: each captured
+            subgraph optimized, the rest eager) or ``eager`` (nothing captured).
+        attempts: each capture method tried before ``method``, with why it was not used.
+        passes: the pass records (summed over subgraphs for ``dynamo``).
+        verification: the end-to-end comparison against eager, when verification ran.
+        subgraphs: how many graphs Dynamo handed over (``dynamo`` only).
+        seconds: wall time of capture, passes and verification.
+    """
+
+    inputs: str
+    method: str = "eager"
+    attempts: list[tuple[str, str]] = field(default_factory=list)
+    passes: list[PassRecord] = field(default_factory=list)
+    verification: VerifyResult | None = None
+    subgraphs: int = 0
+    seconds: float = 0.0
+    nodes_before: int = 0
+    nodes_after: int = 0
+
+
+@dataclass
+class Report:
+    """Everything ``optimize`` and later re-captures did, oldest first."""
+
+    captures: list[CaptureRecord] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def capture_method(self) -> str:
+        """How the example inputs were captured (the first signature's method)."""
+        return self.captures[0].method if self.captures else "none"
+
+    @property
+    def pass_counts(self) -> dict[str, int]:
+        """Rewrite counts over every captured signature and subgraph, by kind."""
+        total: Counter[str] = Counter()
+        for capture in self.captures:
+            for record in capture.passes:
+                if record.status == "applied":
+                    total.update(record.counts)
+        return dict(total)
+
+    def passes_with_status(self, status: str) -> list[str]:
+        return sorted({r.name for c in self.captures for r in c.passes if r.status == status})
+
+    @property
+    def rolled_back(self) -> list[str]:
+        """Passes whose result was undone because it failed lint or verification, or raised."""
+        return sorted(set(self.passes_with_status("rolled_back"))
+                      | set(self.passes_with_status("failed")))
+
+    def __str__(self) -> str:
+        lines = ["autoopt report"]
+        for i, c in enumerate(self.captures):
+            lines.append(f"[{i}] inputs: {c.inputs}")
+            lines.append(f"    capture: {c.method} ({c.seconds:.2f} s)"
+                         + (f", {c.subgraphs} subgraph(s)" if c.method == "dynamo" else ""))
+            for method, why in c.attempts:
+                lines.append(f"      not {method}: {why}")
+            if c.nodes_before:
+                lines.append(f"    nodes: {c.nodes_before} -> {c.nodes_after}")
+            for r in c.passes:
+                counts = ", ".join(f"{k}={v}" for k, v in sorted(r.counts.items()))
+                extra = f" [{counts}]" if counts else ""
+                why = f": {r.reason}" if r.reason else ""
+                lines.append(f"    pass {r.name:<16} {r.status:<11} {r.seconds * 1e3:7.1f} ms"
+                             f"{extra}{why}")
+            if c.verification is not None:
+                lines.append(f"    verification: {c.verification}")
+        lines.extend(f"warning: {w}" for w in self.warnings)
+        return "\n".join(lines)

@@ -1,0 +1,233 @@
+"""Is the optimized module the same function as the original? Compare them on the example
+inputs and on fresh random inputs of the same shapes and dtypes, within each dtype's tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """``|actual - expected| <= atol * scale + rtol * |expected|`` elementwise, where ``scale``
+    is ``max(1, max |expected|)`` so that large-valued outputs are not held to an absolute
+    error meant for values near one."""
+
+    rtol: float
+    atol: float
+
+
+# Passes reorder float arithmetic (folding, fusion), so fp32 gets more room than bit-exactness;
+# the half types keep what their 10- and 7-bit mantissas allow.
+TOLERANCES: dict[torch.dtype, Tolerance] = {
+    torch.float64: Tolerance(rtol=1e-7, atol=1e-9),
+    torch.float32: Tolerance(rtol=1e-4, atol=1e-5),
+    torch.float16: Tolerance(rtol=1e-3, atol=1e-3),
+    torch.bfloat16: Tolerance(rtol=1.6e-2, atol=1e-2),
+}
+_EXACT = Tolerance(rtol=0.0, atol=0.0)
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Outcome of a comparison.
+
+    Args:
+        ok: every compared value was within tolerance and the structures matched.
+        max_abs_error: largest absolute difference seen over all floating outputs.
+        max_rel_error: largest ``|a - b| / max(|b|, tiny)`` seen, for the report.
+        inputs_checked: how many input sets were compared (example + random).
+        detail: for a failure, where it was (``output[0]['logits']``) and by how much.
+    """
+
+    ok: bool
+    max_abs_error: float = 0.0
+    max_rel_error: float = 0.0
+    inputs_checked: int = 0
+    detail: str = ""
+
+    def __str__(self) -> str:
+        if self.ok:
+            return (f"matched on {self.inputs_checked} input set(s), max abs error "
+                    f"{self.max_abs_error:.3g}")
+        return f"MISMATCH: {self.detail}"
+
+
+def compare(expected: Any, actual: Any, tolerances: Mapping[torch.dtype, Tolerance] | None = None,
+            path: str = "output") -> VerifyResult:
+    """Compare two output structures leaf by leaf.
+
+    Containers are walked (tuples, lists, dicts including ``ModelOutput``, dataclasses, and plain
+    objects such as KV caches through their attributes); tensors are compared with the
+    tolerance of their dtype, other leaves with ``==``.
+    """
+    tols = TOLERANCES if tolerances is None else {**TOLERANCES, **tolerances}
+    expected_leaves = dict(_leaves(expected, path))
+    actual_leaves = dict(_leaves(actual, path))
+    if expected_leaves.keys() != actual_leaves.keys():
+        missing = sorted(expected_leaves.keys() - actual_leaves.keys())[:3]
+        extra = sorted(actual_leaves.keys() - expected_leaves.keys())[:3]
+        return VerifyResult(False, detail=f"output structure differs: missing {missing}, "
+                                          f"unexpected {extra}")
+    max_abs = max_rel = 0.0
+    for key, exp in expected_leaves.items():
+        act = actual_leaves[key]
+        if isinstance(exp, torch.Tensor) != isinstance(act, torch.Tensor):
+            kinds = f"{type(exp).__name__} vs {type(act).__name__}"
+            return VerifyResult(False, detail=f"{key}: {kinds}")
+        if not isinstance(exp, torch.Tensor):
+            if not _equal_values(exp, act):
+                return VerifyResult(False, detail=f"{key}: {exp!r} != {act!r}")
+            continue
+        failure, abs_err, rel_err = _compare_tensors(key, exp, act, tols)
+        max_abs, max_rel = max(max_abs, abs_err), max(max_rel, rel_err)
+        if failure:
+            return VerifyResult(False, max_abs, max_rel, detail=failure)
+    return VerifyResult(True, max_abs, max_rel)
+
+
+def _compare_tensors(key: str, exp: torch.Tensor, act: torch.Tensor,
+                     tols: Mapping[torch.dtype, Tolerance]) -> tuple[str, float, float]:
+    if exp.shape != act.shape:
+        return f"{key}: shape {tuple(act.shape)} != expected {tuple(exp.shape)}", 0.0, 0.0
+    if exp.dtype != act.dtype:
+        return f"{key}: dtype {act.dtype} != expected {exp.dtype}", 0.0, 0.0
+    if exp.numel() == 0:
+        return "", 0.0, 0.0
+    e, a = exp.detach().cpu(), act.detach().cpu()
+    if not (e.is_floating_point() or e.is_complex()):
+        if not torch.equal(e, a):
+            return f"{key}: integer/bool values differ", 0.0, 0.0
+        return "", 0.0, 0.0
+    tol = tols.get(e.dtype, _EXACT)
+    e64, a64 = e.to(torch.float64), a.to(torch.float64)
+    e_nan, a_nan = torch.isnan(e64), torch.isnan(a64)
+    if not torch.equal(e_nan, a_nan):
+        return f"{key}: NaN in different places", math.inf, math.inf
+    finite = torch.isfinite(e64) & torch.isfinite(a64)
+    inf_mismatch = ~finite & ~e_nan & (e64 != a64)
+    if bool(inf_mismatch.any()):
+        return f"{key}: infinities differ", math.inf, math.inf
+    if not bool(finite.any()):
+        return "", 0.0, 0.0
+    e64, a64 = e64[finite], a64[finite]
+    diff = (a64 - e64).abs()
+    scale = max(1.0, float(e64.abs().max()))
+    allowed = tol.atol * scale + tol.rtol * e64.abs()
+    abs_err = float(diff.max())
+    rel_err = float((diff / e64.abs().clamp_min(1e-12)).max())
+    if bool((diff > allowed).any()):
+        worst = int(torch.argmax(diff - allowed))
+        return (f"{key}: max abs error {abs_err:.3g} exceeds the {e.dtype} tolerance "
+                f"(rtol={tol.rtol:g}, atol={tol.atol:g}x{scale:.3g}); worst element "
+                f"{float(a64[worst]):.6g} vs expected {float(e64[worst]):.6g}"), abs_err, rel_err
+    return "", abs_err, rel_err
+
+
+def _equal_values(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that cannot be compared are treated as different
+        return a is b
+
+
+_MAX_DEPTH = 8
+
+
+def _leaves(obj: Any, path: str, depth: int = 0) -> Iterator[tuple[str, Any]]:
+    """Yield ``(path, leaf)`` for every tensor or plain value inside ``obj``."""
+    if depth > _MAX_DEPTH:
+        yield path, obj
+    elif isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, Mapping):
+        for k in obj:
+            yield from _leaves(obj[k], f"{path}[{k!r}]", depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for i, item in enumerate(obj):
+            yield from _leaves(item, f"{path}[{i}]", depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _leaves(getattr(obj, f.name), f"{path}.{f.name}", depth + 1)
+    elif obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, torch.dtype,
+                                         torch.device, torch.Size)):
+        yield path, obj
+    elif hasattr(obj, "__dict__") and not callable(obj):
+        # Objects that carry tensors in attributes, such as transformers' KV caches.
+        for k, v in sorted(vars(obj).items()):
+            if not k.startswith("__"):
+                yield from _leaves(v, f"{path}.{k}", depth + 1)
+    else:
+        yield path, type(obj).__name__
+
+
+def fresh_like(value: Any, generator: torch.Generator) -> Any:
+    """A random value of the same type, shape and dtype as ``value``, drawn to look like it.
+
+    Floating tensors get the example's mean and spread; integer tensors (token ids, class
+    indices) stay within the example's range so they index the same tables; booleans (masks)
+    and non-tensor values are kept, since changing them can change what the model means.
+    Parameters are kept as they are.
+    """
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(fresh_like(v, generator) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, fresh_like(v, generator)) for k, v in value.items())
+    if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
+        return value
+    if value.numel() == 0 or value.dtype == torch.bool:
+        return value.clone()
+    if value.is_floating_point():
+        finite = value.detach()[torch.isfinite(value.detach())].to(torch.float64)
+        if finite.numel() == 0:
+            return value.clone()
+        mean = float(finite.mean())
+        std = float(finite.std()) if finite.numel() > 1 else 1.0
+        std = std if std > 0 else max(abs(mean), 1.0)
+        noise = torch.randn(value.shape, generator=generator, dtype=torch.float64)
+        out = (noise * std + mean).to(dtype=value.dtype, device=value.device)
+        # Keep a non-negative input non-negative (variances, lengths, probabilities).
+        if float(finite.min()) >= 0:
+            out = out.abs()
+        return out.requires_grad_(value.requires_grad)
+    if value.is_complex():
+        return value.clone()
+    low, high = int(value.min()), int(value.max())
+    out = torch.randint(low, high + 1, value.shape, generator=generator, dtype=torch.int64)
+    return out.to(dtype=value.dtype, device=value.device)
+
+
+# Not 0: a user who seeded 0 to make the example inputs would get the same "fresh" ones.
+VERIFY_SEED = 20_241_130
+
+
+def input_sets(args: tuple[Any, ...], kwargs: Mapping[str, Any], n_random: int,
+               seed: int = VERIFY_SEED) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """The example inputs followed by ``n_random`` fresh sets of the same shapes and dtypes."""
+    generator = torch.Generator().manual_seed(seed)
+    sets = [(tuple(args), dict(kwargs))]
+    for _ in range(n_random):
+        sets.append((tuple(fresh_like(a, generator) for a in args),
+                     {k: fresh_like(v, generator) for k, v in kwargs.items()}))
+    return sets
+
+
+def check_all(run_pair: Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, Any]],
+              sets: list[tuple[tuple[Any, ...], dict[str, Any]]],
+              tolerances: Mapping[torch.dtype, Tolerance] | None = None) -> VerifyResult:
+    """Run ``run_pair(args, kwargs) -> (expected, actual)`` on every input set and compare."""
+    max_abs = max_rel = 0.0
+    for i, (args, kwargs) in enumerate(sets):
+        expected, actual = run_pair(args, kwargs)
+        result = compare(expected, actual, tolerances)
+        max_abs, max_rel = max(max_abs, result.max_abs_error), max(max_rel, result.max_rel_error)
+        if not result.ok:
+            which = "example inputs" if i == 0 else f"random input set {i}"
+            return VerifyResult(False, max_abs, max_rel, i + 1, f"on the {which}: {result.detail}")
+    return VerifyResult(True, max_abs, max_rel, len(sets))

@@ -1,0 +1,25 @@
+"""Graph rewrites, each a function ``GraphModule, PassContext -> PassResult``.
+
+``PIPELINE`` is the one place that says which passes run and in what order; the user's config
+turns passes off by name. The driver that runs them, checks each result and rolls back failures
+lives in ``autoopt.pipeline``.
+"""
+
+from __future__ import annotations
+
+from .base import PassContext, PassFn, PassResult
+from .dead_code import eliminate_dead_code
+from .remove_noops import remove_noops
+
+PIPELINE: tuple[tuple[str, PassFn], ...] = (
+    # Drop ops that compute nothing (eval dropout, x*1, identity views) so later patterns see
+    # the real producer-consumer pairs.
+    ("remove_noops", remove_noops),
+    # Erase what the rewrites above left without users.
+    ("dead_code", eliminate_dead_code),
+)
+
+PASS_NAMES: tuple[str, ...] = tuple(name for name, _ in PIPELINE)
+
+__all__ = ["PIPELINE", "PASS_NAMES", "PassContext", "PassFn", "PassResult",
+           "eliminate_dead_code", "remove_noops"]

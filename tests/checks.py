@@ -1,0 +1,38 @@
+"""Checks shared by the tests."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoopt.verify import compare, input_sets
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer, cloned, to check bit-identity later."""
+    state = {f"param:{n}": p.detach().clone() for n, p in model.named_parameters()}
+    state.update({f"buffer:{n}": b.detach().clone() for n, b in model.named_buffers()})
+    return state
+
+
+def assert_bit_identical(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
+    after = snapshot(model)
+    assert after.keys() == before.keys()
+    for name, value in before.items():
+        assert torch.equal(after[name], value), f"{name} was modified"
+
+
+def assert_same_function(reference: nn.Module, optimized: nn.Module, args: tuple[Any, ...],
+                         kwargs: dict[str, Any], n_random: int = 2, seed: int = 123) -> None:
+    """Eager ``reference`` and ``optimized`` agree on the inputs and on fresh random ones
+    (drawn with a different seed from the one verification used)."""
+    reference = copy.deepcopy(reference)
+    for a, k in input_sets(args, kwargs, n_random, seed=seed):
+        with torch.no_grad():
+            expected = reference(*a, **k)
+            actual = optimized(*a, **k)
+        result = compare(expected, actual)
+        assert result.ok, result.detail

@@ -1,0 +1,81 @@
+"""The pass driver: rollback of raising or wrong passes, disabling by name, debug checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+import autoopt
+from autoopt.passes import PIPELINE, PassContext, PassResult
+
+aten = torch.ops.aten
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.dropout(self.linear(x)))
+
+
+def raising_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
+    raise RuntimeError("injected failure")
+
+
+def sign_flipping_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
+    """Replaces relu by its negation: a wrong rewrite that verification must catch."""
+    count = 0
+    for node in gm.graph.nodes:
+        if node.target is aten.relu.default:
+            with gm.graph.inserting_after(node):
+                neg = gm.graph.call_function(aten.neg.default, (node,))
+            node.replace_all_uses_with(neg, delete_user_cb=lambda user, neg=neg: user is not neg)
+            count += 1
+    return PassResult(gm, count > 0, {"flipped": count})
+
+
+def lint_breaking_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
+    """Uses a node before it is defined."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    nodes[0].args = (nodes[-1], *nodes[0].args[1:])
+    return PassResult(gm, True, {"broken": 1})
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_bad_passes_are_rolled_back_and_the_good_ones_still_apply(debug: bool) -> None:
+    pipeline = (("raises", raising_pass), *PIPELINE[:1], ("flips_sign", sign_flipping_pass),
+                ("breaks_lint", lint_breaking_pass), *PIPELINE[1:])
+    model = Small().eval()
+    x = torch.randn(4, 8)
+    fast = autoopt.optimize(model, (x,), pipeline=pipeline, debug=debug)
+    statuses = {r.name: r.status for r in fast.report.captures[0].passes}
+    assert statuses == {"raises": "failed", "remove_noops": "applied",
+                        "flips_sign": "rolled_back", "breaks_lint": "failed",
+                        "dead_code": "unchanged"}
+    assert fast.report.rolled_back == ["breaks_lint", "flips_sign", "raises"]
+    record = next(r for r in fast.report.captures[0].passes if r.name == "raises")
+    assert "injected failure" in record.reason
+    torch.testing.assert_close(fast(x), model(x))
+    assert "flips_sign" in str(fast.report) and "rolled_back" in str(fast.report)
+
+
+def test_passes_can_be_disabled_by_name() -> None:
+    fast = autoopt.optimize(Small().eval(), (torch.randn(4, 8),), disable=["remove_noops"])
+    statuses = {r.name: r.status for r in fast.report.captures[0].passes}
+    assert statuses["remove_noops"] == "disabled"
+    gm = fast._specializations[0].run
+    assert aten.dropout.default in [n.target for n in gm.graph.nodes]
+
+
+def test_without_verification_a_wrong_pass_is_not_caught() -> None:
+    # Shows the check above is what catches it, not something else in the driver.
+    pipeline = (("flips_sign", sign_flipping_pass),)
+    model = Small().eval()
+    x = torch.randn(4, 8)
+    fast = autoopt.optimize(model, (x,), pipeline=pipeline, verify=False)
+    torch.testing.assert_close(fast(x), -model(x))
