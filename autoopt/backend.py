@@ -8,7 +8,7 @@ gave it. This is also how ``optimize`` handles models no whole-graph capture can
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,17 +24,21 @@ from .verify import VERIFY_SEED, VerifyResult, check_all, fresh_like
 
 def autoopt_backend(gm: GraphModule, example_inputs: Sequence[Any], *,
                     config: OptimizeConfig | None = None,
-                    record: CaptureRecord | None = None, **options: Any) -> Callable[..., Any]:
+                    record: CaptureRecord | None = None,
+                    options: Mapping[str, Any] | None = None, **extra: Any) -> Callable[..., Any]:
     """Optimize one Dynamo subgraph and return the callable Dynamo will run.
 
     Args:
         gm: the subgraph, at torch-function level, parameters as inputs.
         example_inputs: its real example inputs.
-        config: autoopt options; ``**options`` are merged into it (``torch.compile(...,
-            options={"disable": ["remove_noops"]})``).
+        config: autoopt options.
         record: where to add this subgraph's pass records (``optimize`` passes one).
+        options: ``OptimizeConfig`` fields merged into ``config``, as ``torch.compile(model,
+            backend="autoopt", options={"disable": ["remove_noops"]})`` passes them.
     """
-    config = OptimizeConfig.build(config, options) if options or config is None else config
+    overrides = {**(options or {}), **extra}
+    if overrides or config is None:
+        config = OptimizeConfig.build(config, overrides)
     start = time.perf_counter()
     annotate(gm, list(example_inputs))
     reference = copy_graph_module(gm)

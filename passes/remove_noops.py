@@ -24,10 +24,11 @@ _INPLACE_OPERATORS = frozenset({"iadd", "isub", "imul", "itruediv", "ifloordiv",
 def remove_noops(gm: GraphModule, ctx: PassContext) -> PassResult:
     """Replace each no-op node by its input.
 
-    An op that returns a *new* tensor (``x * 1``, dropout) is only removed when nothing writes to
+    An op that returns a *new* tensor (``x * 1``, ``x + 0``) is only removed when nothing writes to
     its result in place and it is not returned from the graph, since then sharing storage with
-    its input would be visible. Ops that already return an alias (``view``, ``to`` of the same
-    dtype) are removed whenever their input passes through unchanged.
+    its input would be visible. Ops that already return their input or an alias of it (eval
+    dropout, ``view`` to the same shape, ``to`` the same dtype) are removed whenever the input
+    passes through unchanged.
 
     Args:
         gm: the graph module, rewritten in place.
@@ -58,7 +59,7 @@ def _noop_input(gm: GraphModule, node: Node) -> tuple[Node, str, bool] | None:
         if isinstance(module, ops.IDENTITY_MODULES):
             return node.args[0], "identity", False
         if isinstance(module, ops.DROPOUT_MODULES) and (not module.training or module.p == 0):
-            return node.args[0], "dropout", True
+            return node.args[0], "dropout", False
         return None
     if node.op != "call_function":
         return None
@@ -67,9 +68,10 @@ def _noop_input(gm: GraphModule, node: Node) -> tuple[Node, str, bool] | None:
         kw = _kwargs(node)
         x = kw.get("input")
         training = kw.get("train", kw.get("training", True))
+        # Eager dropout returns its input itself when not training, so this is an alias.
         if isinstance(x, Node) and (training is False or kw.get("p") == 0) and _same_tensor_type(
                 node, x):
-            return x, "dropout", True
+            return x, "dropout", False
         return None
     if target in ops.BINARY_ARITHMETIC:
         return _arithmetic_identity(node)
@@ -85,8 +87,8 @@ def _noop_input(gm: GraphModule, node: Node) -> tuple[Node, str, bool] | None:
         x = node.args[0] if node.args else None
         val = _val(x) if isinstance(x, Node) else None
         fmt = _kwargs(node).get("memory_format", torch.contiguous_format)
-        if isinstance(val, torch.Tensor) and _static(val.shape) and val.is_contiguous(
-                memory_format=fmt):
+        if (isinstance(val, torch.Tensor) and isinstance(fmt, torch.memory_format)
+                and _static(val.shape) and val.is_contiguous(memory_format=fmt)):
             return x, "alias", False
         return None
     if target in ops.RESHAPE or target in ops.EXPAND:

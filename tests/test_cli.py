@@ -1,0 +1,87 @@
+"""The autoopt command line: the README's command, MODEL specs, --save, and misuse."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoopt.cli import main
+
+
+@pytest.mark.slow
+def test_readme_command_runs_as_installed_console_script() -> None:
+    exe = shutil.which("autoopt")
+    assert exe is not None, "the autoopt console script is not installed"
+    done = subprocess.run([exe, "optimize", "torchvision.models:resnet18", "--input",
+                           "1x3x224x224"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "capture: export" in done.stdout
+    assert "verification: matched" in done.stdout
+
+
+def test_file_spec_named_inputs_and_save_round_trip(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "my_model.py"
+    source.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        class Scorer(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Embedding(50, 8)
+                self.head = nn.Linear(8, 1)
+                self.drop = nn.Dropout(0.1)
+
+            def forward(self, ids, weight):
+                return self.head(self.drop(self.embed(ids))).squeeze(-1) * weight
+    """))
+    saved = tmp_path / "scorer.pt2"
+    code = main(["optimize", f"{source}:Scorer", "--input", "ids=2x7:int64", "--input",
+                 "weight=2x7", "--int-high", "50", "--save", str(saved)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "capture: export" in out and "dropout=1" in out
+    program = torch.export.load(str(saved))
+    ids, weight = torch.randint(0, 50, (2, 7)), torch.randn(2, 7)
+    assert program.module()(ids=ids, weight=weight).shape == (2, 7)
+
+    code = main(["optimize", str(saved), "--input", "ids=2x7:int64", "--input", "weight=2x7",
+                 "--int-high", "50"])
+    assert code == 0
+    assert "verification: matched" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["optimize", "no_such_package:make", "--input", "1x3"], "cannot import 'no_such_package'"),
+    (["optimize", "torchvision.models", "--input", "1x3"], "must be 'package.module:factory'"),
+    (["optimize", "torchvision.models:no_such_model", "--input", "1x3"], "has no attribute"),
+    (["optimize", "/nonexistent/model.py:Net", "--input", "1x3"], "no such file"),
+    (["optimize", "missing.pt2", "--input", "1x3"], "no such .pt2 file"),
+    (["optimize", "torchvision.models:resnet18", "--input", "1x3xabc"], "shape must look like"),
+    (["optimize", "torchvision.models:resnet18", "--input", "1x3:float8"], "unknown dtype"),
+    (["optimize", "torch.nn:Linear", "--input", "1x3"], "calling Linear() raised"),
+])
+def test_misuse_gives_a_clear_error(argv: list[str], message: str,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unreadable_pt2_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.pt2"
+    bad.write_bytes(b"not a zip archive")
+    assert main(["optimize", str(bad), "--input", "1x3"]) == 2
+    assert "not a readable torch.export program" in capsys.readouterr().err
+
+
+def test_module_entry_point() -> None:
+    done = subprocess.run([sys.executable, "-m", "autoopt.cli", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "optimize" in done.stdout

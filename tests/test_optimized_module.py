@@ -1,0 +1,77 @@
+"""The module optimize returns: specializations, limits, device moves, saving."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import autoopt
+from autoopt.emit import save_program
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 12), nn.GELU(), nn.Dropout(0.1), nn.Linear(12, 3)).eval()
+
+
+def test_new_shapes_beyond_the_limit_run_eagerly_with_a_warning() -> None:
+    model = mlp()
+    fast = autoopt.optimize(model, (torch.randn(1, 6),), max_specializations=2)
+    fast(torch.randn(2, 6))
+    with pytest.warns(UserWarning, match="max_specializations"):
+        out = fast(v := torch.randn(3, 6))
+    torch.testing.assert_close(out, model(v))
+    assert [c.method for c in fast.report.captures] == ["export", "export"]
+    assert any("dynamic=True" in w for w in fast.report.warnings)
+
+
+def test_parameters_are_the_private_copy_and_state_dict_round_trips() -> None:
+    model = mlp()
+    fast = autoopt.optimize(model, (torch.randn(2, 6),))
+    assert {n for n, _ in fast.named_parameters()} == {f"module.{n}" for n, _ in
+                                                       model.named_parameters()}
+    assert all(p is not q for p, q in zip(fast.parameters(), model.parameters(), strict=True))
+    # Weights loaded into the optimized module are what its graph computes with.
+    other = mlp()
+    fast.module.load_state_dict(other.state_dict())
+    v = torch.randn(2, 6)
+    torch.testing.assert_close(fast(v), other(v))
+
+
+def test_moving_the_module_drops_graphs_and_recaptures() -> None:
+    fast = autoopt.optimize(mlp(), (torch.randn(2, 6),))
+    fast.to(torch.float64)
+    v = torch.randn(2, 6, dtype=torch.float64)
+    out = fast(v)
+    assert out.dtype == torch.float64
+    assert len(fast.report.captures) == 2
+
+
+def test_optimizing_an_optimized_or_compiled_module_uses_the_original() -> None:
+    model = mlp()
+    fast = autoopt.optimize(autoopt.optimize(model, (torch.randn(2, 6),)), (torch.randn(2, 6),))
+    assert isinstance(fast.module, nn.Sequential)
+    compiled = torch.compile(model, backend="eager")
+    assert isinstance(autoopt.optimize(compiled, (torch.randn(2, 6),)).module, nn.Sequential)
+
+
+def test_report_reads_as_text() -> None:
+    fast = autoopt.optimize(mlp(), (torch.randn(2, 6),))
+    text = str(fast.report)
+    assert "capture: export" in text
+    assert "pass remove_noops" in text and "dropout=1" in text
+    assert "verification: matched on 3 input set(s)" in text
+    assert fast.report.pass_counts == {"dropout": 1}
+
+
+def test_only_whole_graphs_can_be_saved(tmp_path: Path) -> None:
+    class Branchy(nn.Module):
+        def forward(self, v: torch.Tensor) -> torch.Tensor:
+            return v + 1 if v.sum() > 0 else v - 1
+
+    v = torch.randn(4)
+    fast = autoopt.optimize(Branchy(), (v,))
+    with pytest.raises(autoopt.ModelError, match="captured by 'dynamo', not as one whole graph"):
+        save_program(fast, (v,), {}, str(tmp_path / "x.pt2"))
