@@ -213,7 +213,6 @@ class OptimizedModule(nn.Module):
             result = self._verify(compiled, args, kwargs)
             record.verification = result
             if not result.ok:
-                torch._dynamo.reset()
                 raise _Mismatch(f"compiled module differs from eager: {result.detail}")
         return _Specialization(None, "dynamo", compiled)
 

@@ -1,0 +1,32 @@
+"""The same guarantees on a CUDA device (skipped with a reason where there is none)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checks import assert_same_function
+from model_zoo import REAL_MODELS
+
+import autoopt
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["resnet18", "bert", "gpt2"])
+def test_optimize_on_cuda_matches_eager(name: str) -> None:
+    model, args, kwargs = REAL_MODELS[name]()
+    model = model.cuda()
+    args = tuple(a.cuda() for a in args)
+    kwargs = {k: v.cuda() for k, v in kwargs.items()}
+    fast = autoopt.optimize(model, args, kwargs)
+    assert fast.report.captures[0].verification.ok
+    assert next(fast.parameters()).device.type == "cuda"
+    assert_same_function(model, fast, args, kwargs)
+
+
+@pytest.mark.gpu
+def test_device_argument_moves_the_private_copy_only() -> None:
+    model, args, _ = REAL_MODELS["resnet18"]()
+    fast = autoopt.optimize(model, args, device="cuda")
+    assert next(model.parameters()).device.type == "cpu"
+    out = fast(args[0].cuda())
+    torch.testing.assert_close(out.cpu(), model(*args), rtol=1e-3, atol=1e-3)
