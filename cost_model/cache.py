@@ -1,0 +1,123 @@
+"""Measured costs on disk, as JSON (never pickle), shared safely between processes.
+
+Each entry's key names what it measured: op, input shapes and dtypes, device name, thread count
+and library versions, so a figure is never reused where it does not hold. A write takes an
+exclusive lock, merges with what other processes wrote meanwhile, and replaces the file
+atomically; a corrupt file is ignored with a warning and rebuilt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_FORMAT = 1
+
+
+def library_versions() -> str:
+    return f"torch={torch.__version__}"
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/autoopt``, else ``~/.cache/autoopt``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "autoopt"
+
+
+class CostCache:
+    """A JSON file of ``key -> dict`` entries, loaded once and written through.
+
+    Args:
+        path: the JSON file; its folder is created on first write.
+        persistent: False keeps entries in memory only (tests, read-only homes).
+    """
+
+    def __init__(self, path: Path | str | None, persistent: bool = True) -> None:
+        self.path = Path(path) if path is not None else None
+        self.persistent = persistent and self.path is not None
+        self._entries: dict[str, dict[str, Any]] = self._read() if self.persistent else {}
+
+    @classmethod
+    def default(cls) -> CostCache:
+        return cls(default_cache_dir() / "costs.json")
+
+    @classmethod
+    def in_memory(cls) -> CostCache:
+        return cls(None, persistent=False)
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        return self._entries.get(key)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, key: str, value: dict[str, Any]) -> None:
+        self.put_many({key: value})
+
+    def put_many(self, entries: dict[str, dict[str, Any]]) -> None:
+        """Store entries and write them to disk in one locked read-merge-replace."""
+        self._entries.update(entries)
+        if not self.persistent or not entries:
+            return
+        assert self.path is not None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self._locked():
+                merged = self._read()
+                merged.update(entries)
+                self._entries = {**merged, **self._entries}
+                fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".costs-", suffix=".json")
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"format": _FORMAT, "entries": self._entries}, f)
+                os.replace(tmp, self.path)
+        except OSError as exc:
+            self.persistent = False
+            warnings.warn(f"autoopt: cost cache {self.path} is not writable ({exc}); "
+                          "measurements are kept in memory for this process only", stacklevel=3)
+
+    def _read(self) -> dict[str, dict[str, Any]]:
+        assert self.path is not None
+        try:
+            text = self.path.read_text()
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        except OSError as exc:
+            warnings.warn(f"autoopt: cannot read cost cache {self.path} ({exc}); starting empty",
+                          stacklevel=3)
+            return {}
+        try:
+            data = json.loads(text)
+            if data.get("format") != _FORMAT or not isinstance(data.get("entries"), dict):
+                raise ValueError(f"unknown format {data.get('format')!r}")
+            return data["entries"]
+        except (ValueError, AttributeError) as exc:
+            warnings.warn(f"autoopt: cost cache {self.path} is corrupt ({exc}); ignoring it, it "
+                          "will be rebuilt", stacklevel=3)
+            return {}
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        assert self.path is not None
+        lock_path = self.path.with_suffix(".lock")
+        with open(lock_path, "a") as lock:
+            try:
+                import fcntl
+            except ImportError:  # Windows: atomic replace still keeps the file whole
+                yield
+                return
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)

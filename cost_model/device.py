@@ -1,0 +1,183 @@
+"""Facts about the target device: what it is, and the ceilings a roofline needs.
+
+Names, memory and clocks come from ``pynvml`` (package ``nvidia-ml-py``) and ``torch.cuda`` on
+a GPU, from the OS on the CPU. Peak FLOP/s, memory bandwidth and per-op overhead are *measured*
+with small benchmarks (spec sheets overstate what PyTorch reaches), and cached on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .cache import CostCache, library_versions
+from .timing import median_seconds
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """Measured limits on this device with the current thread count.
+
+    Args:
+        matmul_flops: FLOP/s of a large fp32 matmul.
+        half_matmul_flops: FLOP/s of a large fp16 (GPU) or bf16 (CPU) matmul; 0 if unsupported.
+        memory_bandwidth: bytes/s of a large copy (read plus write).
+        op_overhead_s: time of a one-element op: dispatch and launch cost per node.
+        host_link_bandwidth: host→device bytes/s from pinned memory (GPU only, else 0).
+    """
+
+    matmul_flops: float
+    half_matmul_flops: float
+    memory_bandwidth: float
+    op_overhead_s: float
+    host_link_bandwidth: float = 0.0
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What autoopt knows about one device.
+
+    Args:
+        device: ``cpu`` or ``cuda:N``.
+        name: the product name.
+        memory_total, memory_free: bytes (host RAM for the CPU).
+        threads: intra-op threads (CPU) or SM count (GPU): the parallelism a kernel gets.
+        clock_mhz: SM clock (GPU) where known.
+        link: PCIe/NVLink description where known, e.g. ``PCIe gen4 x16, 8 NVLink links``.
+        link_bandwidth: theoretical host link bytes/s from the link description (0 unknown).
+        ceilings: measured roofline ceilings, or None until measured.
+        notes: what could not be read and why (e.g. pynvml missing).
+    """
+
+    device: str
+    name: str
+    memory_total: int
+    memory_free: int
+    threads: int
+    clock_mhz: int = 0
+    link: str = ""
+    link_bandwidth: float = 0.0
+    ceilings: Ceilings | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def device_info(device: str | torch.device = "cpu", *, measure: bool = True,
+                cache: CostCache | None = None) -> DeviceInfo:
+    """Describe ``device``; with ``measure`` also its ceilings (cached per device, threads and
+    library versions, so measured once)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        info = _cuda_info(dev)
+    elif dev.type == "cpu":
+        info = _cpu_info()
+    else:
+        raise ValueError(f"unsupported device {dev}; autoopt's cost model knows cpu and cuda")
+    if not measure:
+        return info
+    cache = cache if cache is not None else CostCache.default()
+    key = f"ceilings|{info.name}|{info.device}|threads={torch.get_num_threads()}|" \
+          f"{library_versions()}"
+    stored = cache.get(key)
+    if stored is None:
+        ceilings = measure_ceilings(dev)
+        cache.put(key, asdict(ceilings))
+    else:
+        ceilings = Ceilings(**stored)
+    return DeviceInfo(**{**asdict(info), "ceilings": ceilings, "notes": info.notes})
+
+
+def _cpu_info() -> DeviceInfo:
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    total = free = 0
+    notes: list[str] = []
+    try:
+        with open("/proc/meminfo") as f:
+            fields = {k: v for k, v in (line.split(":", 1) for line in f)}
+        total = int(fields["MemTotal"].split()[0]) * 1024
+        free = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            notes.append("host memory size unavailable on this OS")
+    return DeviceInfo("cpu", name, total, free, torch.get_num_threads(), notes=tuple(notes))
+
+
+def _cuda_info(dev: torch.device) -> DeviceInfo:
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{dev} requested but torch.cuda.is_available() is False")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    free, total = torch.cuda.mem_get_info(index)
+    clock, link, link_bw, notes = 0, "", 0.0, []
+    try:
+        import pynvml
+    except ImportError:
+        notes.append("pynvml not installed (pip install nvidia-ml-py): no clocks or link facts")
+    else:
+        try:
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            clock = int(pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM))
+            gen = int(pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle))
+            width = int(pynvml.nvmlDeviceGetMaxPcieLinkWidth(handle))
+            # Per-lane payload rate by PCIe generation, GB/s (after encoding overhead).
+            per_lane = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}.get(gen, 0.0)
+            link_bw = per_lane * width * 1e9
+            links = 0
+            for i in range(18):
+                try:
+                    if pynvml.nvmlDeviceGetNvLinkState(handle, i):
+                        links += 1
+                except pynvml.NVMLError:
+                    break
+            link = f"PCIe gen{gen} x{width}" + (f", {links} NVLink links" if links else "")
+        except Exception as exc:  # noqa: BLE001 - NVML errors (no driver) degrade to torch facts
+            notes.append(f"NVML unavailable ({type(exc).__name__}: {exc}); torch.cuda facts only")
+    return DeviceInfo(f"cuda:{index}", props.name, int(total), int(free),
+                      props.multi_processor_count, clock, link, link_bw, notes=tuple(notes))
+
+
+def measure_ceilings(dev: torch.device) -> Ceilings:
+    """Measure matmul FLOP/s, copy bandwidth and per-op overhead on ``dev`` (about a second)."""
+    n = 2048 if dev.type == "cuda" else 512
+    a = torch.randn(n, n, device=dev)
+    b = torch.randn(n, n, device=dev)
+    matmul = 2 * n**3 / median_seconds(lambda i: torch.mm(a, b), dev, repeats=5)
+    half_dtype = torch.float16 if dev.type == "cuda" else torch.bfloat16
+    try:
+        ah, bh = a.to(half_dtype), b.to(half_dtype)
+        half = 2 * n**3 / median_seconds(lambda i: torch.mm(ah, bh), dev, repeats=5)
+    except RuntimeError:
+        half = 0.0
+    numel = (256 if dev.type == "cuda" else 32) * 2**20 // 4
+    src = torch.randn(numel, device=dev)
+    dst = torch.empty_like(src)
+    bandwidth = 2 * src.nbytes / median_seconds(lambda i: dst.copy_(src), dev, repeats=5)
+    tiny_a, tiny_b = torch.ones(1, device=dev), torch.ones(1, device=dev)
+    overhead = median_seconds(lambda i: torch.add(tiny_a, tiny_b), dev, warmup=20, repeats=51)
+    link = 0.0
+    if dev.type == "cuda":
+        host = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
+        target = torch.empty_like(host, device=dev)
+        link = host.nbytes / median_seconds(lambda i: target.copy_(host, non_blocking=True), dev)
+    return Ceilings(matmul, half, bandwidth, overhead, link)

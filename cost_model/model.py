@@ -1,0 +1,409 @@
+"""The cost model passes read: ``estimate(node)``, ``profile(gm, inputs)``, ``predict(nodes)``.
+
+Measured figures come from timing each node alone with its real inputs (``profile``); every
+other figure is a roofline estimate calibrated by those measurements. Each figure says which.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Interpreter, Node
+from torch.utils import _pytree as pytree
+
+from .cache import CostCache, library_versions
+from .device import DeviceInfo, device_info
+from .estimate import (
+    bound,
+    count_flops,
+    is_view,
+    op_family,
+    op_name,
+    roofline_seconds,
+    tensor_bytes,
+    value_spec,
+)
+from .timing import median_seconds
+
+log = logging.getLogger(__name__)
+
+# Inputs smaller than this are copied several times and rotated between repeats, so a repeat
+# does not find the previous repeat's data in the L2 cache.
+_ROTATE_BELOW_BYTES = 8 * 2**20
+_MAX_COPIES = 8
+_SKIPPED_MODULES = ("_guards_fn",)
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """One node's cost on the device.
+
+    Args:
+        node: the node's name in its graph.
+        op: the op it calls (``aten.convolution.default``).
+        latency_s: seconds per call.
+        flops: floating-point operations.
+        bytes: bytes read plus bytes written.
+        output_bytes: bytes of its result (0 for views).
+        saved_bytes: activation bytes autograd keeps for backward (measured when training).
+        measured: True when ``latency_s`` was timed on the device, False when estimated.
+        bound: ``compute``, ``memory`` or ``overhead``.
+    """
+
+    node: str
+    op: str
+    latency_s: float
+    flops: int = 0
+    bytes: int = 0
+    output_bytes: int = 0
+    saved_bytes: int = 0
+    measured: bool = False
+    bound: str = "overhead"
+
+
+@dataclass(frozen=True)
+class GraphCost:
+    """Costs of a graph (or a stage: a subset of its nodes), in execution order.
+
+    Args:
+        nodes: per-node costs.
+        latency_s: predicted time of one run: the sum of the nodes' latencies.
+        peak_activation_bytes: the most activation memory alive at once (parameters excluded).
+        parameter_bytes: bytes of the parameters and buffers the nodes read.
+        measured_fraction: share of ``latency_s`` that comes from measurements.
+    """
+
+    nodes: tuple[NodeCost, ...]
+    latency_s: float
+    peak_activation_bytes: int
+    parameter_bytes: int
+    measured_fraction: float
+    saved_bytes: int = 0
+    by_node: dict[str, NodeCost] = field(default_factory=dict, compare=False, repr=False)
+
+
+class CostModel:
+    """Costs of FX nodes on one device.
+
+    Args:
+        device: where the costs hold (``cpu``, ``cuda:0``).
+        cache: where measurements persist; default ``~/.cache/autoopt/costs.json``.
+        repeats: timed runs per node (the median is kept).
+    """
+
+    def __init__(self, device: str | torch.device = "cpu", cache: CostCache | None = None,
+                 repeats: int = 7) -> None:
+        self.device = torch.device(device)
+        self.cache = cache if cache is not None else CostCache.default()
+        self.repeats = repeats
+        self._info: DeviceInfo | None = None
+
+    @property
+    def info(self) -> DeviceInfo:
+        """Device facts with measured ceilings (measured on first use, then cached)."""
+        if self._info is None:
+            self._info = device_info(self.device, cache=self.cache)
+        return self._info
+
+    # --- keys ------------------------------------------------------------------------------
+
+    def _context(self) -> str:
+        return f"{self.info.name}|{self.device.type}|threads={torch.get_num_threads()}|" \
+               f"{library_versions()}"
+
+    def node_key(self, target: Any, args: Any, kwargs: Any) -> str:
+        return f"node|{op_name(target)}|{value_spec(args)}|{value_spec(kwargs)}|{self._context()}"
+
+    def _calibration_key(self) -> str:
+        return f"calibration|{self._context()}"
+
+    # --- estimates -------------------------------------------------------------------------
+
+    def estimate(self, node: Node, gm: GraphModule | None = None) -> NodeCost:
+        """The node's cost from its metadata: a cached measurement if one exists for exactly
+        this op, shapes, dtypes and device, else a calibrated roofline estimate."""
+        if node.op not in ("call_function", "call_method", "call_module") or (
+                node.op == "call_module" and str(node.target) in _SKIPPED_MODULES):
+            return NodeCost(node.name, node.op, 0.0)
+        args, kwargs = pytree.tree_map_only(Node, _meta_value, (node.args, node.kwargs))
+        target = _callable(node, gm)
+        output = _meta_value(node)
+        if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves((args, kwargs,
+                                                                            output))):
+            return NodeCost(node.name, op_name(node.target), 0.0)  # arithmetic on sizes
+        return self._cost(node.name, node.target if node.op != "call_module" else target,
+                          target, args, kwargs, output)
+
+    def _cost(self, name: str, key_target: Any, fn: Any, args: Any, kwargs: Any, output: Any,
+              measured_s: float | None = None, saved: int = 0) -> NodeCost:
+        ceilings = self.info.ceilings
+        assert ceilings is not None
+        view = is_view(key_target)
+        flops = 0 if view else count_flops(fn, args, kwargs) if callable(fn) else 0
+        out_bytes = 0 if view else tensor_bytes(output)
+        nbytes = 0 if view else tensor_bytes((args, kwargs)) + out_bytes
+        label = op_name(key_target)
+        key = self.node_key(key_target, args, kwargs)
+        stored = self.cache.get(key)
+        if measured_s is None and stored is not None:
+            measured_s, saved = stored["latency_s"], stored.get("saved_bytes", saved)
+        if measured_s is not None:
+            seconds, measured = measured_s, True
+        else:
+            dtype = _first_dtype(args)
+            seconds = roofline_seconds(flops, nbytes, dtype, ceilings, view)
+            seconds *= self.calibration().get(op_family(label), 1.0) if not view else 1.0
+            measured = False
+        return NodeCost(name, label, seconds, flops, nbytes, out_bytes, saved, measured,
+                        bound(flops, nbytes, seconds, ceilings))
+
+    def calibration(self) -> dict[str, float]:
+        """measured / roofline, per op family, from this device's earlier measurements."""
+        return dict(self.cache.get(self._calibration_key()) or {})
+
+    # --- measurement -----------------------------------------------------------------------
+
+    def profile(self, gm: GraphModule, example_inputs: Sequence[Any] | None = None, *,
+                training: bool = False) -> GraphCost:
+        """Time every node alone with its real inputs (running the graph once to get them).
+
+        Nodes already measured for the same op, shapes, dtypes and device are read from the
+        cache. ``example_inputs`` are the graph's placeholders' values; without them random
+        ones are made from the placeholders' metadata. With ``training`` the bytes each node
+        saves for backward are measured too.
+        """
+        inputs = list(example_inputs) if example_inputs is not None else _random_inputs(gm)
+        profiler = _NodeProfiler(gm, self, training)
+        with torch.no_grad() if not training else _nullcontext():
+            profiler.run(*inputs)
+        self.cache.put_many(profiler.new_entries)
+        self._fit_calibration(profiler.costs, gm)
+        return self.summarize(gm, [profiler.costs.get(n.name) or self.estimate(n, gm)
+                                   for n in gm.graph.nodes])
+
+    def _fit_calibration(self, measured: dict[str, NodeCost], gm: GraphModule) -> None:
+        ceilings = self.info.ceilings
+        assert ceilings is not None
+        ratios: dict[str, list[float]] = {}
+        for cost in measured.values():
+            if not cost.measured or cost.latency_s <= 0:
+                continue
+            node = next((n for n in gm.graph.nodes if n.name == cost.node), None)
+            view = node is not None and is_view(node.target)
+            args = pytree.tree_map_only(Node, _meta_value, node.args) if node else ()
+            roof = roofline_seconds(cost.flops, cost.bytes, _first_dtype(args), ceilings, view)
+            ratios.setdefault(op_family(cost.op), []).append(cost.latency_s / roof)
+        if not ratios:
+            return
+        old = self.calibration()
+        fitted = {family: statistics.median(r) for family, r in ratios.items()}
+        self.cache.put(self._calibration_key(), {**old, **fitted})
+
+    def measure(self, fn: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
+                repeats: int = 21) -> float:
+        """Median seconds of a whole call, e.g. a module's forward (the figure predictions
+        are checked against)."""
+        kwargs = kwargs or {}
+        with torch.no_grad():
+            return median_seconds(lambda i: fn(*args, **kwargs), self.device, warmup=3,
+                                  repeats=repeats, budget_s=10.0)
+
+    # --- whole graphs and stages -----------------------------------------------------------
+
+    def predict(self, gm: GraphModule, nodes: Iterable[Node] | None = None) -> GraphCost:
+        """Predicted cost of ``nodes`` (default: the whole graph) from estimates."""
+        chosen = list(gm.graph.nodes) if nodes is None else list(nodes)
+        return self.summarize(gm, [self.estimate(n, gm) for n in chosen], chosen)
+
+    def summarize(self, gm: GraphModule, costs: Sequence[NodeCost],
+                  nodes: Sequence[Node] | None = None) -> GraphCost:
+        nodes = list(gm.graph.nodes) if nodes is None else list(nodes)
+        total = sum(c.latency_s for c in costs)
+        measured = sum(c.latency_s for c in costs if c.measured)
+        return GraphCost(tuple(costs), total, peak_activation_bytes(nodes),
+                         parameter_bytes(gm, nodes), measured / total if total else 0.0,
+                         sum(c.saved_bytes for c in costs), {c.node: c for c in costs})
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class _NodeProfiler(Interpreter):
+    """Runs the graph once; times each op node alone on its real inputs as it goes."""
+
+    def __init__(self, gm: GraphModule, model: CostModel, training: bool) -> None:
+        super().__init__(gm)
+        self.model = model
+        self.training = training
+        self.costs: dict[str, NodeCost] = {}
+        self.new_entries: dict[str, dict[str, Any]] = {}
+
+    def run_node(self, n: Node) -> Any:
+        result = super().run_node(n)
+        if n.op not in ("call_function", "call_method", "call_module"):
+            return result
+        if n.op == "call_module" and str(n.target) in _SKIPPED_MODULES:
+            return result
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves((args, kwargs, result))):
+            return result  # arithmetic on sizes: no device work
+        key_target = n.target if n.op != "call_module" else _callable(n, self.module)
+        key = self.model.node_key(key_target, args, kwargs)
+        stored = self.model.cache.get(key) or self.new_entries.get(key)
+        if stored is None:
+            try:
+                seconds = self._time(n, args, kwargs)
+            except Exception as exc:  # noqa: BLE001 - an op that cannot rerun is estimated
+                log.debug("cannot time %s alone: %s", n.format_node(), exc)
+                return result
+            saved = self._saved_bytes(n, args, kwargs) if self.training else 0
+            stored = {"latency_s": seconds, "saved_bytes": saved}
+            self.new_entries[key] = stored
+        fn = _callable(n, self.module)
+        self.costs[n.name] = self.model._cost(n.name, key_target, fn, args, kwargs, result,
+                                              stored["latency_s"], stored.get("saved_bytes", 0))
+        return result
+
+    def _call(self, n: Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return getattr(self, n.op)(n.target, args, kwargs)
+
+    def _time(self, n: Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+        mutates = _mutates(n.target)
+        nbytes = tensor_bytes((args, kwargs))
+        copies = 1
+        if mutates or nbytes < _ROTATE_BELOW_BYTES:
+            copies = min(_MAX_COPIES, max(1, math.ceil(_ROTATE_BELOW_BYTES / max(nbytes, 1))))
+        if copies == 1 and not mutates:
+            variants = [(args, kwargs)]
+        else:
+            variants = [pytree.tree_map_only(torch.Tensor, _clone, (args, kwargs))
+                        for _ in range(copies)]
+        return median_seconds(lambda i: self._call(n, *variants[i % len(variants)]),
+                              self.model.device, repeats=self.model.repeats)
+
+    def _saved_bytes(self, n: Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        params = {t.data_ptr() for t in self.module.parameters()}
+        seen: set[int] = set()
+        total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params and ptr not in seen:
+                seen.add(ptr)
+                total += t.untyped_storage().nbytes()
+            return t
+
+        grad_args = pytree.tree_map_only(
+            torch.Tensor, lambda t: t.detach().requires_grad_(t.is_floating_point())
+            if not isinstance(t, torch.nn.Parameter) else t, (args, kwargs))
+        try:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                self._call(n, *grad_args)
+        except Exception:  # noqa: BLE001 - ops that cannot run under autograd save nothing
+            return 0
+        return total
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    return t.clone() if not isinstance(t, torch.nn.Parameter) else t
+
+
+def _mutates(target: Any) -> bool:
+    schema = getattr(target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def _callable(node: Node, gm: GraphModule | None) -> Any:
+    if node.op == "call_module" and gm is not None:
+        return gm.get_submodule(str(node.target))
+    if node.op == "call_method":
+        return lambda self, *a, **k: getattr(self, str(node.target))(*a, **k)
+    return node.target
+
+
+def _meta_value(node: Node) -> Any:
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+def _first_dtype(args: Any) -> torch.dtype | None:
+    for leaf in pytree.tree_leaves(args):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.dtype
+    return None
+
+
+def _random_inputs(gm: GraphModule) -> list[Any]:
+    values = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = _meta_value(node)
+        if isinstance(val, torch.Tensor):
+            shape = tuple(int(d) for d in val.shape)
+            if val.is_floating_point():
+                values.append(torch.randn(shape, dtype=val.dtype, device=val.device))
+            else:
+                values.append(torch.zeros(shape, dtype=val.dtype, device=val.device))
+        else:
+            values.append(val)
+    return values
+
+
+def peak_activation_bytes(nodes: Sequence[Node]) -> int:
+    """Most bytes of node results alive at once, walking ``nodes`` in order (views share
+    their base's memory; parameters are not activations)."""
+    position = {n: i for i, n in enumerate(nodes)}
+    last_use: dict[Node, int] = {}
+    for n in nodes:
+        for user in n.users:
+            if user in position:
+                last_use[n] = max(last_use.get(n, 0), position[user])
+    live: dict[Node, int] = {}
+    peak = current = 0
+    for i, n in enumerate(nodes):
+        if n.op in ("call_function", "call_method", "call_module", "placeholder") and not (
+                n.op != "placeholder" and is_view(n.target)):
+            size = tensor_bytes(_meta_value(n))
+            live[n] = size
+            current += size
+            peak = max(peak, current)
+        for dead in [m for m in live if last_use.get(m, i) <= i]:
+            current -= live.pop(dead)
+    return peak
+
+
+def parameter_bytes(gm: GraphModule, nodes: Sequence[Node]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for n in nodes:
+        if n.op == "get_attr":
+            value = _meta_value(n)
+            if isinstance(value, torch.Tensor):
+                try:
+                    real = gm.get_parameter(str(n.target))
+                except AttributeError:
+                    try:
+                        real = gm.get_buffer(str(n.target))
+                    except AttributeError:
+                        real = value
+                if id(real) not in seen:
+                    seen.add(id(real))
+                    total += real.numel() * real.element_size()
+        elif n.op == "call_module" and gm is not None and str(n.target) not in _SKIPPED_MODULES:
+            for p in gm.get_submodule(str(n.target)).parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    total += p.numel() * p.element_size()
+    return total

@@ -1,0 +1,43 @@
+"""The one place autoopt reads a clock: medians of repeated runs, CUDA events on a GPU."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def median_seconds(fn: Callable[[int], object], device: torch.device, *, warmup: int = 2,
+                   repeats: int = 7, budget_s: float = 0.5) -> float:
+    """Median wall time of ``fn(i)`` (``i`` counts the repeats, for rotating inputs).
+
+    On CUDA each repeat is bracketed by events on the current stream, after warm-up; on the
+    CPU by ``time.perf_counter_ns``. Stops early once ``budget_s`` is spent (slow ops still
+    get at least three samples).
+    """
+    for i in range(warmup):
+        fn(i)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    samples: list[float] = []
+    spent = 0.0
+    for i in range(repeats):
+        if device.type == "cuda":
+            start_event = torch.cuda.Event(enable_timing=True)
+            end_event = torch.cuda.Event(enable_timing=True)
+            start_event.record()
+            fn(warmup + i)
+            end_event.record()
+            end_event.synchronize()
+            seconds = start_event.elapsed_time(end_event) / 1e3
+        else:
+            start = time.perf_counter_ns()
+            fn(warmup + i)
+            seconds = (time.perf_counter_ns() - start) / 1e9
+        samples.append(seconds)
+        spent += seconds
+        if spent > budget_s and len(samples) >= 3:
+            break
+    return statistics.median(samples)

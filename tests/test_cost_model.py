@@ -1,0 +1,189 @@
+"""The cost model: device facts, estimates vs measurements, the disk cache, predictions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from autoopt.capture import export_graph
+from autoopt.cost_model import CostCache, CostModel, device_info
+from autoopt.cost_model.estimate import count_flops, is_view, op_family
+
+aten = torch.ops.aten
+
+
+class Block(nn.Module):
+    """x ─ linear(256→256) ─ gelu ─ linear ─ + x"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(256, 256), nn.Linear(256, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x))) + x
+
+
+def _model(tmp_path: Path) -> CostModel:
+    return CostModel("cpu", cache=CostCache(tmp_path / "costs.json"))
+
+
+def test_cpu_device_facts_and_measured_ceilings(tmp_path: Path) -> None:
+    info = device_info("cpu", cache=CostCache(tmp_path / "c.json"))
+    assert info.device == "cpu" and info.name
+    assert info.memory_total > info.memory_free > 0
+    assert info.threads == torch.get_num_threads()
+    c = info.ceilings
+    assert c is not None
+    assert 1e8 < c.matmul_flops < 1e14 and 1e8 < c.memory_bandwidth < 1e13
+    assert 1e-8 < c.op_overhead_s < 1e-3
+
+
+def test_flops_and_views() -> None:
+    a, b = torch.randn(64, 32), torch.randn(32, 16)
+    assert count_flops(torch.mm, (a, b), {}) == 2 * 64 * 32 * 16
+    assert is_view(aten.view.default) and is_view(aten.t.default)
+    assert not is_view(aten.relu.default) and not is_view(aten.relu_.default)
+    assert op_family("aten.convolution.default") == "conv"
+    assert op_family("aten.addmm.default") == "matmul"
+    assert op_family("aten.relu.default") == "other"
+
+
+def test_profile_measures_every_compute_node(tmp_path: Path) -> None:
+    x = torch.randn(64, 256)
+    gm = export_graph(Block().eval(), (x,), {})
+    cm = _model(tmp_path)
+    profile = cm.profile(gm, [x])
+    compute = [c for c in profile.nodes if c.op.startswith("aten.")]
+    assert {c.op for c in compute} == {"aten.linear.default", "aten.gelu.default",
+                                       "aten.add.Tensor"}
+    assert all(c.measured and c.latency_s > 0 for c in compute)
+    linear = next(c for c in compute if c.op == "aten.linear.default")
+    assert linear.flops == 2 * 64 * 256 * 256
+    assert linear.bytes == (64 * 256 + 256 * 256 + 256 + 64 * 256) * 4
+    assert profile.parameter_bytes == (2 * 256 * 256 + 2 * 256) * 4
+    assert profile.peak_activation_bytes >= 2 * 64 * 256 * 4
+    assert profile.measured_fraction > 0.99
+
+
+def test_estimate_reads_measurements_and_estimates_the_rest(tmp_path: Path) -> None:
+    x = torch.randn(64, 256)
+    gm = export_graph(Block().eval(), (x,), {})
+    cm = _model(tmp_path)
+    before = {n.name: cm.estimate(n, gm) for n in gm.graph.nodes}
+    assert not any(c.measured for c in before.values())
+    linear = next(n for n in gm.graph.nodes if n.target is aten.linear.default)
+    assert before[linear.name].latency_s > 0 and before[linear.name].flops == 2 * 64 * 256 * 256
+    profile = cm.profile(gm, [x])
+    after = cm.estimate(linear, gm)
+    assert after.measured
+    assert after.latency_s == profile.by_node[linear.name].latency_s
+    # A shape never measured is estimated, calibrated by what was measured.
+    other = export_graph(Block().eval(), (torch.randn(8, 256),), {})
+    small = next(n for n in other.graph.nodes if n.target is aten.linear.default)
+    estimate = cm.estimate(small, other)
+    assert not estimate.measured and estimate.latency_s > 0
+    assert "matmul" in cm.calibration()
+
+
+def test_roofline_estimates_track_measurements_for_large_matmuls(tmp_path: Path) -> None:
+    cm = _model(tmp_path)
+    x = torch.randn(512, 1024)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024)).eval()
+    gm = export_graph(model, (x,), {})
+    estimated = cm.predict(gm).latency_s
+    measured = cm.profile(gm, [x]).latency_s
+    # Uncalibrated roofline from a measured matmul ceiling: same order of magnitude.
+    assert 0.25 < estimated / measured < 4
+
+
+def test_cache_round_trip_and_second_profile_is_read_from_disk(tmp_path: Path) -> None:
+    x = torch.randn(32, 256)
+    gm = export_graph(Block().eval(), (x,), {})
+    first = _model(tmp_path).profile(gm, [x])
+    data = json.loads((tmp_path / "costs.json").read_text())
+    assert data["format"] == 1
+    keys = [k for k in data["entries"] if k.startswith("node|aten.linear.default")]
+    assert keys and "float32[32,256]" in keys[0] and "threads=" in keys[0]
+    assert "torch=" in keys[0]
+    second = _model(tmp_path).profile(gm, [x])
+    assert [c.latency_s for c in second.nodes] == [c.latency_s for c in first.nodes]
+
+
+def test_corrupt_cache_is_ignored_with_a_warning_and_rebuilt(tmp_path: Path) -> None:
+    path = tmp_path / "costs.json"
+    path.write_text("{ this is not json")
+    with pytest.warns(UserWarning, match="corrupt"):
+        cache = CostCache(path)
+    assert len(cache) == 0
+    cache.put("k", {"latency_s": 1.0})
+    assert json.loads(path.read_text())["entries"]["k"] == {"latency_s": 1.0}
+
+
+def test_unwritable_cache_degrades_to_memory(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cache = CostCache(blocker / "sub" / "costs.json")  # a folder under a file cannot exist
+    with pytest.warns(UserWarning, match="not writable"):
+        cache.put("k", {"latency_s": 1.0})
+    assert cache.get("k") == {"latency_s": 1.0}
+
+
+_WRITER = """
+import sys, time
+from autoopt.cost_model import CostCache
+while time.time() < float(sys.argv[3]):  # start together, so the writes interleave
+    time.sleep(0.001)
+for i in range(200):  # a fresh cache object each time: every write must merge with the file
+    CostCache(sys.argv[1]).put(f"{sys.argv[2]}{i}", {"latency_s": float(i)})
+"""
+
+
+def test_two_processes_writing_at_once_lose_nothing(tmp_path: Path) -> None:
+    path = str(tmp_path / "costs.json")
+    start = str(time.time() + 8)
+    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, path, prefix, start])
+               for prefix in ("a", "b")]
+    assert [w.wait(120) for w in writers] == [0, 0]
+    entries = json.loads(Path(path).read_text())["entries"]
+    assert {f"{p}{i}" for p in "ab" for i in range(200)} <= entries.keys()
+
+
+def test_pynvml_missing_is_a_note_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml now raises ImportError
+    if not torch.cuda.is_available():
+        info = device_info("cpu", measure=False)
+        assert info.device == "cpu" and info.ceilings is None
+        with pytest.raises(RuntimeError, match="torch.cuda.is_available"):
+            device_info("cuda:0", measure=False)
+        return
+    info = device_info("cuda:0", measure=False)
+    assert any("pynvml not installed" in n for n in info.notes)
+
+
+def test_training_profile_measures_saved_activations(tmp_path: Path) -> None:
+    x = torch.randn(16, 256)
+    gm = export_graph(Block(), (x,), {})
+    profile = _model(tmp_path).profile(gm, [x], training=True)
+    gelu = next(c for c in profile.nodes if c.op == "aten.gelu.default")
+    assert gelu.saved_bytes == 16 * 256 * 4  # gelu keeps its input for backward
+
+
+@pytest.mark.gpu
+def test_cuda_events_and_nvml_facts(tmp_path: Path) -> None:
+    info = device_info("cuda:0", cache=CostCache(tmp_path / "c.json"))
+    assert info.memory_total > 0 and info.threads > 0
+    assert info.ceilings is not None and info.ceilings.host_link_bandwidth > 0
+    x = torch.randn(256, 256, device="cuda")
+    gm = export_graph(Block().cuda().eval(), (x,), {})
+    cm = CostModel("cuda:0", cache=CostCache(tmp_path / "costs.json"))
+    profile = cm.profile(gm, [x])
+    assert all(c.measured for c in profile.nodes if c.op.startswith("aten."))
+    measured = cm.measure(gm, [x])
+    assert 0.2 < profile.latency_s / measured < 5
