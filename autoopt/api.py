@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 from . import capture as capture_lib
 from .backend import autoopt_backend
 from .config import OptimizeConfig
+from .cost_model import CostModel
 from .errors import DeviceError, InputError, ModelError
 from .guards import InputSignature, current_modes, signature_of
 from .passes import PassContext
@@ -99,6 +100,8 @@ class OptimizedModule(nn.Module):
         self._dynamic = dynamic
         self._dynamic_shapes = dynamic_shapes
         self._specializations: list[_Specialization] = []
+        # Measures nothing until a pass asks; measurements persist in the on-disk cache.
+        self.cost_model = CostModel(_model_device(module) or "cpu")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         spec = self._find(args, kwargs) or self.specialize(args, kwargs)
@@ -234,7 +237,8 @@ class OptimizedModule(nn.Module):
         device = _model_device(self.module) or torch.device("cpu")
         training = torch.is_grad_enabled() and any(p.requires_grad
                                                    for p in self.module.parameters())
-        ctx = PassContext(flat_inputs, device, training, None, dict(self._config.pass_options))
+        ctx = PassContext(flat_inputs, device, training, self.cost_model,
+                          dict(self._config.pass_options))
         optimized, records = run_pipeline(gm, self._config.passes, ctx,
                                           check if self._config.verify else None,
                                           disabled=self._config.disable,

@@ -16,6 +16,7 @@ from torch.fx import GraphModule
 
 from .capture import annotate
 from .config import OptimizeConfig
+from .cost_model import CostModel
 from .passes import PassContext
 from .pipeline import copy_graph_module, run_pipeline
 from .report import CaptureRecord, PassRecord
@@ -50,7 +51,8 @@ def autoopt_backend(gm: GraphModule, example_inputs: Sequence[Any], *,
     tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
     device = tensors[0].device if tensors else torch.device("cpu")
     ctx = PassContext(tuple(inputs), device, training=torch.is_grad_enabled() and any(
-        t.requires_grad for t in tensors), options=dict(config.pass_options))
+        t.requires_grad for t in tensors), cost=CostModel(device),
+        options=dict(config.pass_options))
     optimized, records = run_pipeline(gm, config.passes, ctx, check if config.verify else None,
                                       disabled=config.disable, debug=config.debug)
     if record is not None:

@@ -34,6 +34,17 @@ def _parser() -> argparse.ArgumentParser:
                      help="save the optimized graph as a torch.export program")
     opt.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     opt.add_argument("-v", "--verbose", action="store_true")
+
+    prof = sub.add_parser("profile", help="time every op of a model on a device; show the top")
+    prof.add_argument("model", help="package.module:factory, path/to/file.py:Name, or model.pt2")
+    prof.add_argument("--input", action="append", required=True, metavar="[NAME=]SHAPE[:DTYPE]")
+    prof.add_argument("--dtype", default="float32", help="dtype of inputs that name none")
+    prof.add_argument("--int-high", type=int, default=100)
+    prof.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    prof.add_argument("--top", type=int, default=20, help="rows in the table")
+    prof.add_argument("--json", metavar="PATH", help="write every node's cost as JSON")
+    prof.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    prof.add_argument("-v", "--verbose", action="store_true")
     return parser
 
 
@@ -44,6 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "optimize":
             return _optimize(args)
+        if args.command == "profile":
+            from .profiling import profile_command
+
+            return profile_command(args)
     except AutoOptError as exc:
         print(f"autoopt: error: {exc}", file=sys.stderr)
         return 2

@@ -279,16 +279,26 @@ class _NodeProfiler(Interpreter):
         return getattr(self, n.op)(n.target, args, kwargs)
 
     def _time(self, n: Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+        """Median time of the node alone. Weights are rotated between copies: in a model run
+        each layer's weights come in cold, while its activation input was just written by
+        the node before, so activations are reused as they are (mutated ones are cloned)."""
         mutates = _mutates(n.target)
-        nbytes = tensor_bytes((args, kwargs))
+        weights = {id(a) for a, src in zip(args, n.args, strict=False) if _is_weight(a, src)}
+        weight_bytes = sum(a.nbytes for a in args if id(a) in weights)
         copies = 1
-        if mutates or nbytes < _ROTATE_BELOW_BYTES:
-            copies = min(_MAX_COPIES, max(1, math.ceil(_ROTATE_BELOW_BYTES / max(nbytes, 1))))
-        if copies == 1 and not mutates:
-            variants = [(args, kwargs)]
-        else:
-            variants = [pytree.tree_map_only(torch.Tensor, _clone, (args, kwargs))
-                        for _ in range(copies)]
+        if weights and weight_bytes < _ROTATE_BELOW_BYTES:
+            copies = min(_MAX_COPIES, math.ceil(_ROTATE_BELOW_BYTES / max(weight_bytes, 1)))
+        if mutates:
+            copies = max(copies, 2)
+
+        def variant() -> tuple[tuple[Any, ...], dict[str, Any]]:
+            fresh_args = tuple(a.clone() if isinstance(a, torch.Tensor) and (
+                id(a) in weights or mutates) else a for a in args)
+            fresh_kwargs = pytree.tree_map_only(torch.Tensor, _clone, kwargs) if mutates \
+                else kwargs
+            return fresh_args, fresh_kwargs
+
+        variants = [variant() for _ in range(copies)] if copies > 1 else [(args, kwargs)]
         return median_seconds(lambda i: self._call(n, *variants[i % len(variants)]),
                               self.model.device, repeats=self.model.repeats)
 
@@ -314,6 +324,14 @@ class _NodeProfiler(Interpreter):
         except Exception:  # noqa: BLE001 - ops that cannot run under autograd save nothing
             return 0
         return total
+
+
+def _is_weight(value: Any, source: Any) -> bool:
+    """A parameter or buffer: read from an attribute, or a Parameter passed in (Dynamo)."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    return isinstance(value, torch.nn.Parameter) or (isinstance(source, Node)
+                                                     and source.op == "get_attr")
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:

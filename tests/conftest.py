@@ -3,6 +3,8 @@ downloaded), and the GPU skip."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -20,3 +22,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cost_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Tests measure into their own cost cache, never the user's ~/.cache/autoopt."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+    yield
+    mp.undo()

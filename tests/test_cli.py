@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -85,3 +86,23 @@ def test_module_entry_point() -> None:
     done = subprocess.run([sys.executable, "-m", "autoopt.cli", "--help"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and "optimize" in done.stdout
+
+
+def test_profile_command_prints_the_top_ops_and_the_prediction(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out_json = tmp_path / "costs.json"
+    code = main(["profile", "torchvision.models:resnet18", "--input", "1x3x64x64", "--top", "5",
+                 "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["op", "calls", "time"]
+    assert "aten.conv2d.default" in lines[1]  # convolutions dominate a ResNet
+    assert len([line for line in lines if line.startswith("aten.")]) == 5
+    assert "predicted" in out and "measured" in out and "error" in out
+    data = json.loads(out_json.read_text())
+    assert data["measured_s"] > 0 and data["predicted_s"] > 0
+    assert any(n["op"] == "aten.conv2d.default" and n["measured"] for n in data["nodes"])
+    assert (tmp_path / "cache" / "autoopt" / "costs.json").exists()
