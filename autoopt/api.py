@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -34,7 +35,8 @@ log = logging.getLogger(__name__)
 def optimize(model: nn.Module, example_inputs: Any = (), example_kwargs: Mapping[str, Any] | None
              = None, *, device: str | torch.device | None = None,
              config: OptimizeConfig | Mapping[str, Any] | None = None, dynamic: bool = False,
-             dynamic_shapes: Any = None, **options: Any) -> OptimizedModule:
+             dynamic_shapes: Any = None, training: bool | None = None,
+             **options: Any) -> OptimizedModule:
     """Return a module that computes what ``model`` computes, faster, checked against eager.
 
     ``model`` itself is never modified: autoopt works on a private copy.
@@ -47,6 +49,10 @@ def optimize(model: nn.Module, example_inputs: Any = (), example_kwargs: Mapping
         config: an ``OptimizeConfig`` or a dict of its fields.
         dynamic: let every dimension vary where the model allows (batch, sequence length).
         dynamic_shapes: ``torch.export``-style per-input dynamic dimensions; wins over dynamic.
+        training: whether the example call is a training step (default: ``model.training``).
+            An inference call is captured under ``torch.no_grad()``, where passes may fold
+            parameters into constants; a later call with gradients enabled is captured anew,
+            with every parameter's gradient kept.
         **options: ``OptimizeConfig`` fields, e.g. ``verify=False``, ``disable=["dead_code"]``.
 
     Example:
@@ -69,7 +75,9 @@ def optimize(model: nn.Module, example_inputs: Any = (), example_kwargs: Mapping
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(target), (args, kwargs))
     _check_devices_and_dtypes(private, args, kwargs)
     optimized = OptimizedModule(private, cfg, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
-    optimized.specialize(args, kwargs)
+    training = model.training if training is None else training
+    with torch.no_grad() if not training else contextlib.nullcontext():
+        optimized.specialize(args, kwargs)
     return optimized
 
 

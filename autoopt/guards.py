@@ -72,9 +72,9 @@ def _same_value(a: Any, b: Any) -> bool:
 
 
 def current_modes(module: nn.Module) -> tuple[bool, ...]:
-    """Grad mode, inference mode and every submodule's ``training`` flag."""
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-            *(m.training for m in module.modules()))
+    """Grad mode and every submodule's ``training`` flag. (A graph captured without grad runs
+    as well under ``inference_mode``; one captured with grad keeps parameter gradients.)"""
+    return (torch.is_grad_enabled(), *(m.training for m in module.modules()))
 
 
 def signature_of(args: tuple[Any, ...], kwargs: Mapping[str, Any], module: nn.Module,

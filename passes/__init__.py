@@ -8,18 +8,24 @@ lives in ``autoopt.pipeline``.
 from __future__ import annotations
 
 from .base import PassContext, PassFn, PassResult
+from .constant_fold import constant_fold
 from .dead_code import eliminate_dead_code
+from .fold_batchnorm import fold_batchnorm
 from .remove_noops import remove_noops
 
 PIPELINE: tuple[tuple[str, PassFn], ...] = (
     # Drop ops that compute nothing (eval dropout, x*1, identity views) so later patterns see
     # the real producer-consumer pairs.
     ("remove_noops", remove_noops),
+    # Eval BatchNorm into the conv/linear before it (one op and one activation pass fewer).
+    ("fold_batchnorm", fold_batchnorm),
+    # Compute once what depends on no input: weight transposes and casts, position ids.
+    ("constant_fold", constant_fold),
     # Erase what the rewrites above left without users.
     ("dead_code", eliminate_dead_code),
 )
 
 PASS_NAMES: tuple[str, ...] = tuple(name for name, _ in PIPELINE)
 
-__all__ = ["PIPELINE", "PASS_NAMES", "PassContext", "PassFn", "PassResult",
-           "eliminate_dead_code", "remove_noops"]
+__all__ = ["PIPELINE", "PASS_NAMES", "PassContext", "PassFn", "PassResult", "constant_fold",
+           "eliminate_dead_code", "fold_batchnorm", "remove_noops"]

@@ -41,3 +41,32 @@ SLICE = frozenset({aten.slice.Tensor})
 
 # Export's runtime checks of a tensor's dtype/device/layout, provable from metadata.
 ASSERT_METADATA = frozenset({aten._assert_tensor_metadata.default})
+
+# Producers an eval-mode BatchNorm after them folds into: their weight's output channels are the
+# channels BatchNorm normalizes. `aten.convolution` is transposed when its `transposed` flag is.
+CONV_FUNCTIONS = frozenset(
+    {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.conv1d.padding,
+     aten.conv2d.padding, aten.conv3d.padding, aten.convolution.default}
+)
+CONV_TRANSPOSE_FUNCTIONS = frozenset(
+    {aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input}
+)
+LINEAR_FUNCTIONS = frozenset({aten.linear.default})
+CONV_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+CONV_TRANSPOSE_MODULES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+LINEAR_MODULES = (nn.Linear,)
+
+# BatchNorm with running statistics: a per-channel affine map when not training. The tuple
+# variants return (output, save_mean, save_invstd).
+BATCH_NORM_FUNCTIONS = frozenset(
+    {aten.batch_norm.default, aten.native_batch_norm.default,
+     aten._native_batch_norm_legit_no_training.default}
+)
+BATCH_NORM_MODULES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+# Ops whose result is not a function of their arguments: uninitialized memory. (Random ops carry
+# `torch.Tag.nondeterministic_seeded` in their schema, so they need no list.) Overload packets.
+UNINITIALIZED = frozenset(
+    {aten.empty, aten.empty_like, aten.empty_strided, aten.empty_permuted, aten.new_empty,
+     aten.new_empty_strided}
+)

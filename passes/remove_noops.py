@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.operator_schemas import normalize_function
 
 from . import ops
 from .base import PassContext, PassResult
+from .graph import call_kwargs, meta_val
 
 # In-place Python operators Dynamo graphs use for `x += y`.
 _INPLACE_OPERATORS = frozenset({"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow",
@@ -65,7 +65,7 @@ def _noop_input(gm: GraphModule, node: Node) -> tuple[Node, str, bool] | None:
         return None
     target = node.target
     if target in ops.DROPOUT_FUNCTIONS:
-        kw = _kwargs(node)
+        kw = (call_kwargs(node) or {})
         x = kw.get("input")
         training = kw.get("train", kw.get("training", True))
         # Eager dropout returns its input itself when not training, so this is an alias.
@@ -76,7 +76,7 @@ def _noop_input(gm: GraphModule, node: Node) -> tuple[Node, str, bool] | None:
     if target in ops.BINARY_ARITHMETIC:
         return _arithmetic_identity(node)
     if target in ops.TO_SAME:
-        kw = _kwargs(node)
+        kw = (call_kwargs(node) or {})
         x = kw.get("input", kw.get("self"))
         if (isinstance(x, Node) and not kw.get("copy", False)
                 and kw.get("memory_format") in (None, torch.preserve_format)
@@ -85,8 +85,8 @@ def _noop_input(gm: GraphModule, node: Node) -> tuple[Node, str, bool] | None:
         return None
     if target in ops.CONTIGUOUS:
         x = node.args[0] if node.args else None
-        val = _val(x) if isinstance(x, Node) else None
-        fmt = _kwargs(node).get("memory_format", torch.contiguous_format)
+        val = meta_val(x) if isinstance(x, Node) else None
+        fmt = (call_kwargs(node) or {}).get("memory_format", torch.contiguous_format)
         if (isinstance(val, torch.Tensor) and isinstance(fmt, torch.memory_format)
                 and _static(val.shape) and val.is_contiguous(memory_format=fmt)):
             return x, "alias", False
@@ -98,7 +98,7 @@ def _noop_input(gm: GraphModule, node: Node) -> tuple[Node, str, bool] | None:
         return None
     if target in ops.PERMUTE:
         x, dims = node.args[0], node.args[1]
-        val = _val(x) if isinstance(x, Node) else None
+        val = meta_val(x) if isinstance(x, Node) else None
         if isinstance(val, torch.Tensor) and [d % max(val.dim(), 1) for d in dims] == list(
                 range(val.dim())):
             return x, "alias", False
@@ -113,9 +113,9 @@ def _noop_input(gm: GraphModule, node: Node) -> tuple[Node, str, bool] | None:
 def _proven_assert(node: Node) -> tuple[Node, str, bool] | None:
     """An ``_assert_tensor_metadata`` that the input's metadata already proves. It has no
     result, so it is "replaced" by its input and erased."""
-    kw = _kwargs(node)
+    kw = (call_kwargs(node) or {})
     x = kw.get("input", kw.get("a", node.args[0] if node.args else None))
-    val = _val(x) if isinstance(x, Node) else None
+    val = meta_val(x) if isinstance(x, Node) else None
     if not isinstance(val, torch.Tensor) or node.users:
         return None
     expected = {"dtype": val.dtype, "device": val.device, "layout": val.layout}
@@ -147,9 +147,9 @@ def _arithmetic_identity(node: Node) -> tuple[Node, str, bool] | None:
 
 
 def _full_slice(node: Node) -> tuple[Node, str, bool] | None:
-    kw = _kwargs(node)
+    kw = (call_kwargs(node) or {})
     x = kw.get("input", kw.get("self"))
-    val = _val(x) if isinstance(x, Node) else None
+    val = meta_val(x) if isinstance(x, Node) else None
     if not isinstance(val, torch.Tensor) or not _static(val.shape) or val.dim() == 0:
         return None
     dim = kw.get("dim", 0) % val.dim()
@@ -160,18 +160,8 @@ def _full_slice(node: Node) -> tuple[Node, str, bool] | None:
     return None
 
 
-def _kwargs(node: Node) -> dict[str, Any]:
-    """The call's arguments by parameter name (empty when the schema cannot be matched)."""
-    try:
-        pair = normalize_function(node.target, node.args, node.kwargs,
-                                  normalize_to_only_use_kwargs=True)
-    except Exception:  # noqa: BLE001 - an unmatchable signature simply means "not a no-op"
-        return {}
-    return dict(pair.kwargs) if pair is not None else {}
 
 
-def _val(node: Node) -> Any:
-    return node.meta.get("val", node.meta.get("example_value"))
 
 
 def _static(shape: Any) -> bool:
@@ -180,7 +170,7 @@ def _static(shape: Any) -> bool:
 
 def _same_tensor_type(node: Node, source: Node, strides: bool = False) -> bool:
     """Whether ``node``'s result has exactly ``source``'s dtype, device and (static) shape."""
-    out, inp = _val(node), _val(source)
+    out, inp = meta_val(node), meta_val(source)
     if not isinstance(out, torch.Tensor) or not isinstance(inp, torch.Tensor):
         return False
     if not (_static(out.shape) and _static(inp.shape)):

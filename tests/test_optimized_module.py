@@ -75,3 +75,29 @@ def test_only_whole_graphs_can_be_saved(tmp_path: Path) -> None:
     fast = autoopt.optimize(Branchy(), (v,))
     with pytest.raises(autoopt.ModelError, match="captured by 'dynamo', not as one whole graph"):
         save_program(fast, (v,), {}, str(tmp_path / "x.pt2"))
+
+
+def test_inference_capture_folds_and_a_gradient_call_keeps_parameter_gradients() -> None:
+    import torchvision
+
+    model = torchvision.models.resnet18(num_classes=10).eval()
+    v = torch.randn(2, 3, 64, 64)
+    fast = autoopt.optimize(model, (v,))
+    assert fast.report.pass_counts.get("folded_bn") == 20  # captured under no_grad
+    with torch.no_grad():
+        torch.testing.assert_close(fast(v), model(v), rtol=1e-4, atol=1e-4)
+    assert len(fast.report.captures) == 1
+    # With gradients on, the folded graph would drop the conv/bn weights' gradients.
+    fast(v).sum().backward()
+    assert len(fast.report.captures) == 2
+    assert "folded_bn" not in fast.report.captures[1].passes[1].counts
+    model(v).sum().backward()
+    grads = dict(fast.module.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_training_flag_captures_with_gradients() -> None:
+    fast = autoopt.optimize(mlp(), (torch.randn(2, 6),), training=True)
+    assert fast.report.captures[0].inputs
+    assert fast._specializations[0].signature.modes[0] is True

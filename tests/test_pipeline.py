@@ -8,7 +8,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 import autoopt
-from autoopt.passes import PIPELINE, PassContext, PassResult
+from autoopt.passes import PASS_NAMES, PIPELINE, PassContext, PassResult
 
 aten = torch.ops.aten
 
@@ -54,9 +54,9 @@ def test_bad_passes_are_rolled_back_and_the_good_ones_still_apply(debug: bool) -
     x = torch.randn(4, 8)
     fast = autoopt.optimize(model, (x,), pipeline=pipeline, debug=debug)
     statuses = {r.name: r.status for r in fast.report.captures[0].passes}
-    assert statuses == {"raises": "failed", "remove_noops": "applied",
-                        "flips_sign": "rolled_back", "breaks_lint": "failed",
-                        "dead_code": "unchanged"}
+    assert statuses.pop("remove_noops") == "applied"
+    assert {statuses.pop(name) for name in PASS_NAMES[1:]} <= {"unchanged", "applied"}
+    assert statuses == {"raises": "failed", "flips_sign": "rolled_back", "breaks_lint": "failed"}
     assert fast.report.rolled_back == ["breaks_lint", "flips_sign", "raises"]
     record = next(r for r in fast.report.captures[0].passes if r.name == "raises")
     assert "injected failure" in record.reason

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,14 @@ def test_installed_namespace_maps_the_folders() -> None:
     assert Path(autoopt.passes.__file__).parent.name == "passes" or "site-packages" in str(
         autoopt.passes.__file__)
     assert autoopt.cost_model.__name__ == "autoopt.cost_model"
+
+
+@pytest.mark.slow
+def test_readme_quick_start_runs_as_written() -> None:
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Quick start", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    assert len(block.strip().splitlines()) <= 12
+    done = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "capture: export" in done.stdout and "folded_bn=20" in done.stdout

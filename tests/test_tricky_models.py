@@ -25,13 +25,15 @@ Call = tuple[tuple[Any, ...], dict[str, Any]]
 def run_side_by_side(model: nn.Module, calls: list[Call],
                      **options: Any) -> autoopt.OptimizedModule:
     """Optimize on the first call's inputs, then feed every call to the optimized module and
-    to an eager copy in step, comparing outputs (state evolves in both the same way)."""
+    to an eager copy in step, comparing outputs (state evolves in both the same way). Calls
+    run the way the model is meant to: with gradients in train mode, without in eval mode."""
     before = snapshot(model)
     reference = copy.deepcopy(model)
     fast = autoopt.optimize(model, calls[0][0], calls[0][1], **options)
     for i, (args, kwargs) in enumerate(calls):
-        expected = reference(*args, **kwargs)
-        actual = fast(*args, **kwargs)
+        with torch.set_grad_enabled(model.training):
+            expected = reference(*args, **kwargs)
+            actual = fast(*args, **kwargs)
         result = compare(expected, actual)
         assert result.ok, f"call {i}: {result.detail}\n{fast.report}"
     assert_bit_identical(model, before)
