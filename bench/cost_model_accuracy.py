@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -25,11 +26,12 @@ import torchvision
 import transformers
 from torch import nn
 
-from autoopt.capture import export_graph
+from autoopt.capture import export_graph, flat_example_inputs
 from autoopt.cost_model import CostCache, CostModel
 from autoopt.cost_model.stages import balanced_cut, split_stages
 
 ROOT = Path(__file__).resolve().parent.parent
+ROUNDS = 5
 transformers.logging.set_verbosity_error()
 
 
@@ -49,13 +51,10 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, tuple, dict]]] = {
 }
 
 
-def stage_errors(cm: CostModel, gm: torch.fx.GraphModule, profile: Any, inputs: list[Any],
-                 k: int) -> list[tuple[float, float]]:
-    order = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")
-             and n.target != "_guards_fn"]
-    groups = balanced_cut(order, profile, k)
+def _stage_runner(gm: torch.fx.GraphModule, groups: list[list[Any]], inputs: list[Any]
+                  ) -> tuple[torch.fx.GraphModule, dict[str, tuple]]:
+    """The graph split into the groups' stages, and each stage's recorded inputs."""
     split = split_stages(gm, groups)
-    # Run the split module once, recording each stage's inputs, then time each stage alone.
     stage_inputs: dict[str, tuple] = {}
     hooks = [getattr(split, name).register_forward_pre_hook(
         lambda mod, args, name=name: stage_inputs.__setitem__(name, args))
@@ -64,17 +63,13 @@ def stage_errors(cm: CostModel, gm: torch.fx.GraphModule, profile: Any, inputs: 
         split(*inputs)
     for h in hooks:
         h.remove()
-    results = []
-    for i, group in enumerate(groups):
-        name = f"submod_{i}"
-        predicted = sum(profile.by_node[n.name].latency_s for n in group if n.name in
-                        profile.by_node)
-        measured = cm.measure(getattr(split, name), stage_inputs[name], repeats=15)
-        results.append((predicted, measured))
-    return results
+    return split, stage_inputs
 
 
-def run(names: list[str], threads: int) -> list[dict[str, Any]]:
+def run(names: list[str], threads: int, rounds: int) -> list[dict[str, Any]]:
+    """Per model: ``rounds`` interleaved rounds of (profile from scratch, measure the model,
+    measure each stage); errors are medians over rounds, so drift of this shared machine
+    between rounds does not decide the figure."""
     torch.set_num_threads(threads)
     rows = []
     for name in names:
@@ -83,29 +78,51 @@ def run(names: list[str], threads: int) -> list[dict[str, Any]]:
         gm = export_graph(model, args, kwargs)
         gm.graph.eliminate_dead_code()
         gm.recompile()
-        inputs = [*args, *kwargs.values()]
+        inputs = list(flat_example_inputs(gm, args, kwargs))
         with tempfile.TemporaryDirectory() as tmp:
             cm = CostModel("cpu", cache=CostCache(Path(tmp) / "costs.json"))
             _ = cm.info  # ceilings are measured once per device, not part of profiling
             start = time.perf_counter()
-            profile = cm.profile(gm, inputs)
+            first = cm.profile(gm, inputs)
             first_s = time.perf_counter() - start
             start = time.perf_counter()
             cm.profile(gm, inputs)
             cached_s = time.perf_counter() - start
-            measured = cm.measure(gm, inputs)
-            stages = {k: stage_errors(cm, gm, profile, inputs, k) for k in (2, 4)}
-        row = {"model": name, "nodes": len(profile.nodes), "predicted_ms": profile.latency_s * 1e3,
-               "measured_ms": measured * 1e3,
-               "error": (profile.latency_s - measured) / measured,
+        order = [n for n in gm.graph.nodes if n.op == "call_function"]
+        cuts = {k: balanced_cut(order, first, k) for k in (2, 4)}
+        runners = {k: _stage_runner(gm, cuts[k], inputs) for k in cuts}
+        errors: list[float] = []
+        stage_errors: dict[int, list[float]] = {2: [], 4: []}
+        predicted_ms, measured_ms = [], []
+        for _ in range(rounds):
+            cm = CostModel("cpu", cache=CostCache.in_memory())
+            profile = cm.profile(gm, inputs)
+            measured = cm.measure(gm, args, kwargs, repeats=11)
+            predicted_ms.append(profile.latency_s * 1e3)
+            measured_ms.append(measured * 1e3)
+            errors.append((profile.latency_s - measured) / measured)
+            for k, (split, stage_inputs) in runners.items():
+                worst = 0.0
+                for i, group in enumerate(cuts[k]):
+                    stage = f"submod_{i}"
+                    predicted = sum(profile.by_node[n.name].latency_s for n in group
+                                    if n.name in profile.by_node)
+                    actual = cm.measure(getattr(split, stage), stage_inputs[stage], repeats=11)
+                    worst = max(worst, abs(predicted - actual) / actual)
+                stage_errors[k].append(worst)
+        row = {"model": name, "nodes": len(order),
+               "predicted_ms": statistics.median(predicted_ms),
+               "measured_ms": statistics.median(measured_ms),
+               "error": statistics.median(errors), "error_range": (min(errors), max(errors)),
                "profile_s": first_s, "cached_s": cached_s,
-               "stage_error_2": max(abs(p - m) / m for p, m in stages[2]),
-               "stage_error_4": max(abs(p - m) / m for p, m in stages[4])}
+               "stage_error_2": statistics.median(stage_errors[2]),
+               "stage_error_4": statistics.median(stage_errors[4])}
         rows.append(row)
         print(f"{name:<20} predicted {row['predicted_ms']:8.2f} ms  measured "
-              f"{row['measured_ms']:8.2f} ms  error {row['error']:+6.1%}  stages(2) "
-              f"{row['stage_error_2']:5.1%}  stages(4) {row['stage_error_4']:5.1%}  profile "
-              f"{first_s:5.1f} s, cached {cached_s:4.2f} s", flush=True)
+              f"{row['measured_ms']:8.2f} ms  error {row['error']:+6.1%} "
+              f"[{min(errors):+.0%}, {max(errors):+.0%}]  stages(2) {row['stage_error_2']:5.1%}"
+              f"  stages(4) {row['stage_error_4']:5.1%}  profile {first_s:5.1f} s, cached "
+              f"{cached_s:4.2f} s", flush=True)
     return rows
 
 
@@ -117,18 +134,22 @@ def table(rows: list[dict[str, Any]], threads: int, command: str) -> str:
         f"Machine: {cpu}, {threads} thread(s), torch {torch.__version__}, "
         f"Python {platform.python_version()}. Batch 1; images 224×224, text 128 tokens; "
         "random weights.", "",
-        "Predicted = sum of per-node costs, each node timed alone on its real inputs (median, "
-        "inputs rotated); measured = median of whole-model runs. Stage error = the worst "
-        "|predicted − measured| / measured over the stages of a cut into K contiguous stages "
-        "of equal predicted time, each stage run alone. Profile = first profiling with an "
-        "empty cache; cached = the same with the cache filled.", "",
-        "| model | nodes | predicted ms | measured ms | error | worst stage error, K=2 | "
-        "worst stage error, K=4 | profile s | cached s |",
+        "Predicted = sum of per-node costs, each node timed alone on its real inputs (median of "
+        "repeats, L2 evicted before each); measured = median of whole-model runs. Stage error "
+        "= the worst |predicted − measured| / measured over the stages of a cut into K "
+        "contiguous stages of equal predicted time, each stage run alone. Each figure is the "
+        f"median over {ROUNDS} interleaved rounds (profile, model, stages), with the range of "
+        "the whole-model error. Profile = first profiling with an empty cache; cached = the "
+        "same with the cache filled.", "",
+        "| model | compute nodes | predicted ms | measured ms | error (range) | worst stage "
+        "error, K=2 | worst stage error, K=4 | profile s | cached s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        low, high = r["error_range"]
         lines.append(f"| {r['model']} | {r['nodes']} | {r['predicted_ms']:.2f} | "
-                     f"{r['measured_ms']:.2f} | {r['error']:+.1%} | {r['stage_error_2']:.1%} | "
+                     f"{r['measured_ms']:.2f} | {r['error']:+.1%} ({low:+.0%} to {high:+.0%}) | "
+                     f"{r['stage_error_2']:.1%} | "
                      f"{r['stage_error_4']:.1%} | {r['profile_s']:.1f} | {r['cached_s']:.2f} |")
     return "\n".join(lines) + "\n"
 
@@ -150,9 +171,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     args = parser.parse_args()
-    rows = run(args.models.split(","), args.threads)
+    global ROUNDS
+    ROUNDS = args.rounds
+    rows = run(args.models.split(","), args.threads, args.rounds)
     command = "python bench/cost_model_accuracy.py " + " ".join(sys.argv[1:])
     section = table(rows, args.threads, command.strip())
     print(section)

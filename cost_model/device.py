@@ -11,6 +11,7 @@ import logging
 import os
 import platform
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -155,6 +156,24 @@ def _cuda_info(dev: torch.device) -> DeviceInfo:
             notes.append(f"NVML unavailable ({type(exc).__name__}: {exc}); torch.cuda facts only")
     return DeviceInfo(f"cuda:{index}", props.name, int(total), int(free),
                       props.multi_processor_count, clock, link, link_bw, notes=tuple(notes))
+
+
+def eviction_bytes(dev: torch.device) -> int:
+    """Bytes to overwrite so a timed op finds nothing of its own in cache: twice the L2 (the
+    per-core L2 from sysfs on a CPU, 2 MiB where unknown)."""
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        l2 = getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0) or 2**25
+        return 2 * int(l2)
+    try:
+        for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+            if (index / "level").read_text().strip() == "2":
+                text = (index / "size").read_text().strip().upper()
+                scale = {"K": 2**10, "M": 2**20}.get(text[-1], 1)
+                return 2 * int(text.rstrip("KM")) * scale
+    except (OSError, ValueError):
+        pass
+    return 4 * 2**20
 
 
 def measure_ceilings(dev: torch.device) -> Ceilings:

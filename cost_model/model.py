@@ -7,7 +7,6 @@ other figure is a roofline estimate calibrated by those measurements. Each figur
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.utils import _pytree as pytree
 
 from .cache import CostCache, library_versions
-from .device import DeviceInfo, device_info
+from .device import DeviceInfo, device_info, eviction_bytes
 from .estimate import (
     bound,
     count_flops,
@@ -33,10 +32,8 @@ from .timing import median_seconds
 
 log = logging.getLogger(__name__)
 
-# Inputs smaller than this are copied several times and rotated between repeats, so a repeat
-# does not find the previous repeat's data in the L2 cache.
-_ROTATE_BELOW_BYTES = 8 * 2**20
-_MAX_COPIES = 8
+# Ops that write to their inputs run on clones, rotated so each repeat starts from fresh data.
+_MUTATED_COPIES = 2
 _SKIPPED_MODULES = ("_guards_fn",)
 
 
@@ -103,6 +100,7 @@ class CostModel:
         self.cache = cache if cache is not None else CostCache.default()
         self.repeats = repeats
         self._info: DeviceInfo | None = None
+        self._scratch: torch.Tensor | None = None
 
     @property
     def info(self) -> DeviceInfo:
@@ -110,6 +108,14 @@ class CostModel:
         if self._info is None:
             self._info = device_info(self.device, cache=self.cache)
         return self._info
+
+    def evict_cache(self) -> None:
+        """Overwrite a buffer twice the size of the L2 cache, so the next timed call starts
+        cold."""
+        if self._scratch is None:
+            self._scratch = torch.empty(eviction_bytes(self.device) // 4, dtype=torch.float32,
+                                        device=self.device)
+        self._scratch.fill_(1.0)
 
     # --- keys ------------------------------------------------------------------------------
 
@@ -279,28 +285,17 @@ class _NodeProfiler(Interpreter):
         return getattr(self, n.op)(n.target, args, kwargs)
 
     def _time(self, n: Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
-        """Median time of the node alone. Weights are rotated between copies: in a model run
-        each layer's weights come in cold, while its activation input was just written by
-        the node before, so activations are reused as they are (mutated ones are cloned)."""
-        mutates = _mutates(n.target)
-        weights = {id(a) for a, src in zip(args, n.args, strict=False) if _is_weight(a, src)}
-        weight_bytes = sum(a.nbytes for a in args if id(a) in weights)
-        copies = 1
-        if weights and weight_bytes < _ROTATE_BELOW_BYTES:
-            copies = min(_MAX_COPIES, math.ceil(_ROTATE_BELOW_BYTES / max(weight_bytes, 1)))
-        if mutates:
-            copies = max(copies, 2)
-
-        def variant() -> tuple[tuple[Any, ...], dict[str, Any]]:
-            fresh_args = tuple(a.clone() if isinstance(a, torch.Tensor) and (
-                id(a) in weights or mutates) else a for a in args)
-            fresh_kwargs = pytree.tree_map_only(torch.Tensor, _clone, kwargs) if mutates \
-                else kwargs
-            return fresh_args, fresh_kwargs
-
-        variants = [variant() for _ in range(copies)] if copies > 1 else [(args, kwargs)]
+        """Median time of the node alone, with the last-level-but-one cache evicted before
+        each repeat: in a model run the weights, and the memory the result is written to, were
+        last touched several layers ago, so a repeat must not find them left in cache by the
+        repeat before."""
+        variants = [(args, kwargs)]
+        if _mutates(n.target):
+            variants = [pytree.tree_map_only(torch.Tensor, _clone, (args, kwargs))
+                        for _ in range(_MUTATED_COPIES)]
         return median_seconds(lambda i: self._call(n, *variants[i % len(variants)]),
-                              self.model.device, repeats=self.model.repeats)
+                              self.model.device, repeats=self.model.repeats,
+                              before=self.model.evict_cache)
 
     def _saved_bytes(self, n: Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
         params = {t.data_ptr() for t in self.module.parameters()}
@@ -324,14 +319,6 @@ class _NodeProfiler(Interpreter):
         except Exception:  # noqa: BLE001 - ops that cannot run under autograd save nothing
             return 0
         return total
-
-
-def _is_weight(value: Any, source: Any) -> bool:
-    """A parameter or buffer: read from an attribute, or a Parameter passed in (Dynamo)."""
-    if not isinstance(value, torch.Tensor):
-        return False
-    return isinstance(value, torch.nn.Parameter) or (isinstance(source, Node)
-                                                     and source.op == "get_attr")
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:

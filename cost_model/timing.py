@@ -10,11 +10,13 @@ import torch
 
 
 def median_seconds(fn: Callable[[int], object], device: torch.device, *, warmup: int = 2,
-                   repeats: int = 7, budget_s: float = 0.5) -> float:
+                   repeats: int = 7, budget_s: float = 0.5,
+                   before: Callable[[], object] | None = None) -> float:
     """Median wall time of ``fn(i)`` (``i`` counts the repeats, for rotating inputs).
 
     On CUDA each repeat is bracketed by events on the current stream, after warm-up; on the
-    CPU by ``time.perf_counter_ns``. Stops early once ``budget_s`` is spent (slow ops still
+    CPU by ``time.perf_counter_ns``. ``before()`` runs untimed ahead of each repeat (to evict
+    caches, say). Stops early once ``budget_s`` is spent (slow ops still
     get at least three samples).
     """
     for i in range(warmup):
@@ -24,6 +26,8 @@ def median_seconds(fn: Callable[[int], object], device: torch.device, *, warmup:
     samples: list[float] = []
     spent = 0.0
     for i in range(repeats):
+        if before is not None:
+            before()
         if device.type == "cuda":
             start_event = torch.cuda.Event(enable_timing=True)
             end_event = torch.cuda.Event(enable_timing=True)
