@@ -7,6 +7,7 @@ lives in ``autoopt.pipeline``.
 
 from __future__ import annotations
 
+from .attention import replace_attention
 from .base import PassContext, PassFn, PassResult
 from .constant_fold import constant_fold
 from .dead_code import eliminate_dead_code
@@ -17,6 +18,8 @@ PIPELINE: tuple[tuple[str, PassFn], ...] = (
     # Drop ops that compute nothing (eval dropout, x*1, identity views) so later patterns see
     # the real producer-consumer pairs.
     ("remove_noops", remove_noops),
+    # Hand-written softmax(q k^T * s + mask) v into one fused attention kernel.
+    ("attention", replace_attention),
     # Eval BatchNorm into the conv/linear before it (one op and one activation pass fewer).
     ("fold_batchnorm", fold_batchnorm),
     # Compute once what depends on no input: weight transposes and casts, position ids.
@@ -28,4 +31,4 @@ PIPELINE: tuple[tuple[str, PassFn], ...] = (
 PASS_NAMES: tuple[str, ...] = tuple(name for name, _ in PIPELINE)
 
 __all__ = ["PIPELINE", "PASS_NAMES", "PassContext", "PassFn", "PassResult", "constant_fold",
-           "eliminate_dead_code", "fold_batchnorm", "remove_noops"]
+           "eliminate_dead_code", "fold_batchnorm", "remove_noops", "replace_attention"]

@@ -70,3 +70,8 @@ UNINITIALIZED = frozenset(
     {aten.empty, aten.empty_like, aten.empty_strided, aten.empty_permuted, aten.new_empty,
      aten.new_empty_strided}
 )
+
+# Hand-written attention: matmul, softmax over the last dim, matmul.
+MATMUL = frozenset({aten.matmul.default})
+SOFTMAX = frozenset({aten.softmax.int, aten._softmax.default})
+TRANSPOSE = frozenset({aten.transpose.int})

@@ -1,0 +1,187 @@
+"""Replace hand-written attention with ``scaled_dot_product_attention``.
+
+    q ─┐
+    k ─ transpose ─ matmul ─ ×scale ─ [+ mask] ─ softmax(-1) ─ matmul ─ y
+    v ─────────────────────────────────────────────────────────┘
+                          ⟶      q, k, v, mask ─ sdpa(scale=scale) ─ y
+
+One fused kernel instead of five ops and an L×S score matrix written to memory and read back
+(PyTorch's CPU flash kernel, cuDNN/flash kernels on a GPU). Matches the form transformers'
+"eager" attention and most hand-written modules take once ``remove_noops`` has dropped the
+eval dropout and same-dtype casts between softmax and the second matmul.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from . import ops
+from .base import PassContext, PassResult
+from .graph import call_kwargs, meta_val
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class _Attention:
+    q: Node
+    k: Node
+    v: Node
+    mask: Node | None
+    scale: float
+    chain: tuple[Node, ...]  # the nodes the fused op replaces, output last
+
+
+def replace_attention(gm: GraphModule, ctx: PassContext) -> PassResult:
+    """Rewrite each matched attention into one ``aten.scaled_dot_product_attention`` call.
+
+    Args:
+        gm: the graph module, rewritten in place.
+        ctx: unused; the fused kernel is exact up to float reassociation, and the driver's
+            verification checks it.
+    """
+    count = 0
+    for node in list(gm.graph.nodes):
+        match = _match(node)
+        if match is None or not _safe(match):
+            continue
+        with gm.graph.inserting_before(node):
+            fused = gm.graph.call_function(
+                aten.scaled_dot_product_attention.default, (match.q, match.k, match.v),
+                {"attn_mask": match.mask, "dropout_p": 0.0, "is_causal": False,
+                 "scale": match.scale})
+        fused.meta.update(node.meta)
+        node.replace_all_uses_with(fused)
+        for dead in reversed(match.chain):
+            if not dead.users:
+                gm.graph.erase_node(dead)
+        count += 1
+    if count:
+        gm.recompile()
+    return PassResult(gm, count > 0, {"attention": count} if count else {})
+
+
+def _match(out: Node) -> _Attention | None:
+    """Walk back from ``probs @ v`` to ``q @ k^T``; None if any link is not the pattern."""
+    if out.op != "call_function" or out.target not in ops.MATMUL:
+        return None
+    probs, v = out.args
+    if not _is_call(probs, ops.SOFTMAX) or not isinstance(v, Node):
+        return None
+    kw = call_kwargs(probs) or {}
+    scores, dim = kw.get("input", kw.get("self")), kw.get("dim")
+    if not isinstance(scores, Node) or dim not in (-1, _rank(scores) - 1):
+        return None
+    if kw.get("half_to_float") or kw.get("dtype") not in (None, _dtype(scores)):
+        return None
+    mask = None
+    if _is_call(scores, ops.ADD) and len(scores.args) == 2 and not scores.kwargs:
+        a, b = scores.args
+        raw, mask = (a, b) if _is_call(a, ops.MULTIPLY | ops.DIVIDE | ops.MATMUL) else (b, a)
+        if not isinstance(mask, Node):
+            return None
+    else:
+        raw = scores
+    scale, product = _scaled(raw)
+    if product is None or not _is_call(product, ops.MATMUL):
+        return None
+    q, k_t = product.args
+    q_scale, q = _scaled(q) if _is_call(q, ops.MULTIPLY) else (1.0, q)
+    k = _untransposed(k_t)
+    if k is None or q is None or not isinstance(q, Node):
+        return None
+    chain = tuple(n for n in (_q_scale_node(product), k_t, product, raw, scores, probs, out)
+                  if isinstance(n, Node))
+    return _Attention(q, k, v, mask, scale * q_scale, _dedupe(chain))
+
+
+def _q_scale_node(product: Node) -> Node | None:
+    """The ``q * c`` node feeding the first matmul, when the scale is applied to the query."""
+    q = product.args[0]
+    return q if _is_call(q, ops.MULTIPLY) else None
+
+
+def _scaled(node: Any) -> tuple[float, Node | None]:
+    """``x * c``, ``c * x`` or ``x / c`` with a Python number ``c`` → (scale, x); else (1, x)."""
+    if _is_call(node, ops.MULTIPLY) and len(node.args) == 2 and not node.kwargs:
+        a, b = node.args
+        if _number(b) and isinstance(a, Node):
+            return float(b), a
+        if _number(a) and isinstance(b, Node):
+            return float(a), b
+        return 1.0, None
+    if _is_call(node, ops.DIVIDE) and len(node.args) == 2 and not node.kwargs:
+        a, b = node.args
+        if _number(b) and b != 0 and isinstance(a, Node):
+            return 1.0 / float(b), a
+        return 1.0, None
+    return 1.0, node if isinstance(node, Node) else None
+
+
+def _untransposed(k_t: Any) -> Node | None:
+    """``k`` when ``k_t`` swaps k's last two dimensions."""
+    if not _is_call(k_t, ops.TRANSPOSE):
+        return None
+    k, d0, d1 = k_t.args[:3]
+    rank = _rank(k)
+    if not isinstance(k, Node) or rank < 2:
+        return None
+    return k if {d0 % rank, d1 % rank} == {rank - 2, rank - 1} else None
+
+
+def _safe(m: _Attention) -> bool:
+    """Only rewrite what SDPA computes the same way: equal batch dims (no broadcasting between
+    q, k and v), matching head sizes, one floating dtype, a float mask that broadcasts to the
+    scores, and intermediate results nobody else reads (attention weights returned to the
+    caller must still exist)."""
+    q, k, v = meta_val(m.q), meta_val(m.k), meta_val(m.v)
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return False
+    if not (q.dim() == k.dim() == v.dim() and q.dim() in (3, 4)):
+        return False
+    if not (q.dtype == k.dtype == v.dtype and q.dtype.is_floating_point):
+        return False
+    if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2] and q.shape[-1] == k.shape[-1]
+            and k.shape[-2] == v.shape[-2]):
+        return False
+    if m.mask is not None:
+        mask = meta_val(m.mask)
+        scores = meta_val(m.chain[-3])  # softmax's input
+        if not isinstance(mask, torch.Tensor) or mask.dtype != q.dtype:
+            return False
+        try:
+            if torch.broadcast_shapes(mask.shape, scores.shape) != scores.shape:
+                return False
+        except RuntimeError:
+            return False
+    return all(len(n.users) == 1 for n in m.chain[:-1])
+
+
+def _is_call(node: Any, targets: frozenset[Any]) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _rank(node: Any) -> int:
+    val = meta_val(node)
+    return val.dim() if isinstance(val, torch.Tensor) else -1
+
+
+def _dtype(node: Any) -> torch.dtype | None:
+    val = meta_val(node)
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _dedupe(nodes: tuple[Node, ...]) -> tuple[Node, ...]:
+    seen: list[Node] = []
+    for n in nodes:
+        if n not in seen:
+            seen.append(n)
+    return tuple(seen)
