@@ -12,6 +12,7 @@ from .base import PassContext, PassFn, PassResult
 from .constant_fold import constant_fold
 from .dead_code import eliminate_dead_code
 from .fold_batchnorm import fold_batchnorm
+from .gelu import replace_gelu
 from .remove_noops import remove_noops
 
 PIPELINE: tuple[tuple[str, PassFn], ...] = (
@@ -20,6 +21,8 @@ PIPELINE: tuple[tuple[str, PassFn], ...] = (
     ("remove_noops", remove_noops),
     # Hand-written softmax(q k^T * s + mask) v into one fused attention kernel.
     ("attention", replace_attention),
+    # A GELU spelled out in eight elementwise ops into the one fused kernel.
+    ("gelu", replace_gelu),
     # Eval BatchNorm into the conv/linear before it (one op and one activation pass fewer).
     ("fold_batchnorm", fold_batchnorm),
     # Compute once what depends on no input: weight transposes and casts, position ids.
@@ -31,4 +34,5 @@ PIPELINE: tuple[tuple[str, PassFn], ...] = (
 PASS_NAMES: tuple[str, ...] = tuple(name for name, _ in PIPELINE)
 
 __all__ = ["PIPELINE", "PASS_NAMES", "PassContext", "PassFn", "PassResult", "constant_fold",
-           "eliminate_dead_code", "fold_batchnorm", "remove_noops", "replace_attention"]
+           "eliminate_dead_code", "fold_batchnorm", "remove_noops", "replace_attention",
+           "replace_gelu"]

@@ -75,3 +75,8 @@ UNINITIALIZED = frozenset(
 MATMUL = frozenset({aten.matmul.default})
 SOFTMAX = frozenset({aten.softmax.int, aten._softmax.default})
 TRANSPOSE = frozenset({aten.transpose.int})
+
+# Pieces of a GELU written out by hand.
+TANH = frozenset({aten.tanh.default, torch.tanh})
+ERF = frozenset({aten.erf.default, torch.erf})
+POW = frozenset({aten.pow.Tensor_Scalar, torch.pow, operator.pow})
