@@ -149,6 +149,9 @@ class OptimizedModule(nn.Module):
             except Exception as exc:  # noqa: BLE001 - each failure is a reason, not a crash
                 log.info("capture by %s failed: %s", method, exc)
                 record.attempts.append((method, _reason(exc)))
+                # What the failed attempt recorded is not what will run.
+                record.passes, record.verification = [], None
+                record.nodes_before = record.nodes_after = record.subgraphs = 0
         if spec is None:
             spec = _Specialization(None, "eager", self.module)
             record.method = "eager"
@@ -233,14 +236,17 @@ class OptimizedModule(nn.Module):
                         ) -> GraphModule:
         """Verify the captured graph, then run the pass pipeline on it with rollback."""
         record.method = method
-        if self._config.verify:
-            captured = self._verify(adapt(gm), args, kwargs, gm)
-            if not captured.ok:
-                raise _Mismatch(f"captured graph differs from eager: {captured.detail}")
-        record.nodes_before = len(gm.graph.nodes)
+        verdicts: dict[int, tuple[GraphModule, VerifyResult]] = {}
+        reference: dict[Any, Any] = {}
 
         def check(candidate: GraphModule) -> VerifyResult:
-            return self._verify(adapt(candidate), args, kwargs, candidate)
+            # The driver's final check and ours see the same module: verify it once.
+            if id(candidate) not in verdicts:
+                verdict = self._verify(adapt(candidate), args, kwargs, candidate, reference)
+                verdicts[id(candidate)] = (candidate, verdict)
+            return verdicts[id(candidate)][1]
+
+        record.nodes_before = len(gm.graph.nodes)
 
         device = _model_device(self.module) or torch.device("cpu")
         training = torch.is_grad_enabled() and any(p.requires_grad
@@ -254,16 +260,22 @@ class OptimizedModule(nn.Module):
         record.passes = records
         record.nodes_after = len(optimized.graph.nodes)
         if self._config.verify:
+            # Usually already checked by the driver (memoized). When the result still differs,
+            # every pass was rolled back, so it is the capture that is wrong.
             record.verification = check(optimized)
-            if not record.verification.ok:  # every pass was checked; this is the capture's
-                raise _Mismatch(f"optimized graph differs from eager: "
+            if not record.verification.ok:
+                raise _Mismatch(f"captured graph differs from eager: "
                                 f"{record.verification.detail}")
         return optimized
 
     def _verify(self, candidate: Callable[..., Any], args: tuple[Any, ...],
-                kwargs: dict[str, Any], state: nn.Module | None = None) -> VerifyResult:
+                kwargs: dict[str, Any], state: nn.Module | None = None,
+                reference: dict[Any, Any] | None = None) -> VerifyResult:
         """Compare ``candidate`` with eager on the example and fresh inputs: outputs and the
-        buffers each leaves behind (BatchNorm statistics in training)."""
+        buffers each leaves behind (BatchNorm statistics in training). ``reference`` memoizes
+        eager's results per input set across calls (each run starts from the same state and
+        seed, so they do not change)."""
+        reference = {} if reference is None else reference
         module = self.module
         holders = [m for m in (module, state) if m is not None]
 
@@ -278,14 +290,18 @@ class OptimizedModule(nn.Module):
             return leaves, buffers
 
         def run_pair(a: tuple[Any, ...], k: dict[str, Any]) -> tuple[Any, Any]:
-            expected, expected_buffers = run(module, module, a, k)
+            key = (id(a), id(k))  # () is one shared object; the kwargs dicts are not
+            if key not in reference:
+                reference[key] = run(module, module, a, k)
+            expected, expected_buffers = reference[key]
             actual, actual_buffers = run(candidate, state or module, a, k)
             common = sorted(expected_buffers.keys() & actual_buffers.keys())
             return ((expected, {n: expected_buffers[n] for n in common}),
                     (actual, {n: actual_buffers[n] for n in common}))
 
-        sets = input_sets(args, kwargs, self._config.random_inputs)
-        return check_all(run_pair, sets, self._config.tolerances)
+        if "sets" not in reference:  # the same input objects each call, so ids key the memo
+            reference["sets"] = input_sets(args, kwargs, self._config.random_inputs)
+        return check_all(run_pair, reference["sets"], self._config.tolerances)
 
 
 class _Mismatch(Exception):

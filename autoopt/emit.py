@@ -17,7 +17,11 @@ def save_program(optimized: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any
 
     Only whole-graph captures can be saved; a model that runs partly eagerly cannot.
     """
-    spec = optimized._find(tuple(args), dict(kwargs))
+    # The inference graph if there is one (an eval model is captured under no_grad).
+    with torch.no_grad():
+        spec = optimized._find(tuple(args), dict(kwargs))
+    if spec is None:
+        spec = optimized._find(tuple(args), dict(kwargs))
     if spec is None or not isinstance(spec.run, GraphModule):
         method = spec.method if spec is not None else "none"
         raise ModelError(f"cannot save: the model was captured by {method!r}, not as one whole "

@@ -1,8 +1,9 @@
 """Run the passes over a graph: each on a private copy, linted, checked, rolled back on failure.
 
-By default the result of the whole pipeline is verified once; only when that fails are the
-passes re-run one at a time with a check after each, so the failing pass is found, named and
-left out while the others still apply. ``debug=True`` checks after every pass from the start.
+By default the result of the whole pipeline is verified once; only when that fails (and the
+captured graph itself passes) are the passes re-run one at a time with a check after each, so
+the failing pass is found, named and left out while the others still apply. ``debug=True``
+checks after every pass from the start.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ def run_pipeline(gm: GraphModule, passes: Sequence[tuple[str, PassFn]], ctx: Pas
     result = check(current)
     if result.ok:
         return current, records
+    if not check(gm).ok:
+        # The captured graph itself is not the model's function: no pass is to blame, and
+        # the caller, checking ``gm``, rejects the capture.
+        return gm, records
     log.warning("optimized graph failed verification (%s); re-running passes one at a time",
                 result.detail)
     return _run(gm, passes, ctx, check, disabled)

@@ -1,0 +1,178 @@
+"""Inference latency: eager vs autoopt.optimize vs torch.compile vs ONNX Runtime, same run.
+
+    python bench/inference.py [--threads 1] [--batches 1,8] [--models resnet50,gpt2] [--write]
+
+Models have random weights at full size (images 224×224, text 128 tokens). For each model and
+batch the four runners are timed round-robin (interleaved, so drift of this shared machine hits
+all alike) and the median per runner is kept. Reported: median latency, speedup over eager,
+optimize/compile/export time, peak RSS growth while preparing, and the max abs error against
+eager. ``--write`` updates docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchvision
+import transformers
+from torch import nn
+
+import autoopt
+
+ROOT = Path(__file__).resolve().parent.parent
+transformers.logging.set_verbosity_error()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cost_model_accuracy import write_section  # noqa: E402
+
+Inputs = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def _image(factory: Callable[[], nn.Module]) -> Callable[[int], tuple[nn.Module, Inputs]]:
+    return lambda b: (factory().eval(), ((torch.randn(b, 3, 224, 224),), {}))
+
+
+def _text(config: Any, cls: type, **kw: Any) -> Callable[[int], tuple[nn.Module, Inputs]]:
+    return lambda b: (cls(config).eval(), ((torch.randint(0, 1000, (b, 128)),), dict(kw)))
+
+
+MODELS = {
+    "resnet50": _image(torchvision.models.resnet50),
+    "mobilenet_v3_large": _image(torchvision.models.mobilenet_v3_large),
+    "vit_b_16": _image(torchvision.models.vit_b_16),
+    "bert-base": _text(transformers.BertConfig(), transformers.BertModel),
+    "gpt2": _text(transformers.GPT2Config(), transformers.GPT2Model, use_cache=False),
+}
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _first_tensor(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "last_hidden_state"):
+        return out.last_hidden_state
+    if isinstance(out, (list, tuple)):
+        return _first_tensor(out[0])
+    raise TypeError(type(out))
+
+
+def _onnx_runner(model: nn.Module, args: tuple, kwargs: dict, tmp: str) -> Callable[[], Any]:
+    import onnxruntime as ort
+
+    path = str(Path(tmp) / "model.onnx")
+    torch.onnx.export(model, args, path, kwargs=kwargs or None, dynamo=True)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    feed = dict(zip(names, [a.numpy() for a in args if isinstance(a, torch.Tensor)],
+                    strict=False))
+    return lambda: torch.from_numpy(session.run(None, feed)[0])
+
+
+def bench_one(name: str, batch: int, rounds: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model, (args, kwargs) = MODELS[name](batch)
+    runners: dict[str, Callable[[], Any]] = {}
+    prepare: dict[str, float] = {}
+    memory: dict[str, float] = {}
+    with torch.no_grad():
+        runners["eager"] = lambda: model(*args, **kwargs)
+        for label, build in (
+            ("autoopt", lambda: autoopt.optimize(model, args, kwargs)),
+            ("torch.compile", lambda: torch.compile(copy.deepcopy(model))),
+        ):
+            before, start = _rss_mib(), time.perf_counter()
+            built = build()
+            built(*args, **kwargs)  # torch.compile compiles on the first call
+            prepare[label] = time.perf_counter() - start
+            memory[label] = _rss_mib() - before
+            runners[label] = lambda built=built: built(*args, **kwargs)
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                before, start = _rss_mib(), time.perf_counter()
+                runners["onnxruntime"] = _onnx_runner(model, args, kwargs, tmp)
+                runners["onnxruntime"]()
+                prepare["onnxruntime"] = time.perf_counter() - start
+                memory["onnxruntime"] = _rss_mib() - before
+            except Exception as exc:  # noqa: BLE001 - a failed export is a row entry, not a crash
+                print(f"  onnxruntime failed on {name}: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)
+            reference = _first_tensor(runners["eager"]())
+            errors = {k: float((_first_tensor(r()) - reference).abs().max())
+                      for k, r in runners.items()}
+            times: dict[str, list[float]] = {k: [] for k in runners}
+            for _ in range(rounds):
+                for label, run in runners.items():
+                    start = time.perf_counter()
+                    run()
+                    times[label].append(time.perf_counter() - start)
+    median = {k: statistics.median(v) for k, v in times.items()}
+    return {"model": name, "batch": batch, "median": median, "prepare": prepare,
+            "memory": memory, "errors": errors}
+
+
+def table(rows: list[dict[str, Any]], threads: int, command: str) -> str:
+    lines = ["## Inference latency (CPU)", "", f"Command: `{command}`  ",
+             f"Machine: {platform.processor() or platform.machine()}, {threads} thread(s), "
+             f"torch {torch.__version__}. Random weights, images 224×224, text 128 tokens. "
+             "Median of interleaved rounds; speedup = eager median / runner median; prepare = "
+             "optimize / compile (incl. first call) / export + session time; mem = peak RSS "
+             "growth while preparing; err = max abs difference from eager.", "",
+             "| model | batch | eager ms | autoopt | torch.compile | onnxruntime | autoopt "
+             "prepare s | compile s | autoopt err |", "|---|---|---|---|---|---|---|---|---|"]
+    speedups = []
+    for r in rows:
+        m, p = r["median"], r["prepare"]
+        eager = m["eager"]
+        cell = {label: f"{m[label] * 1e3:.1f} ms ({eager / m[label]:.2f}×)" if label in m
+                else "failed" for label in ("autoopt", "torch.compile", "onnxruntime")}
+        speedups.append(eager / m["autoopt"])
+        lines.append(f"| {r['model']} | {r['batch']} | {eager * 1e3:.1f} | {cell['autoopt']} | "
+                     f"{cell['torch.compile']} | {cell['onnxruntime']} | "
+                     f"{p['autoopt']:.1f} | {p['torch.compile']:.1f} | "
+                     f"{r['errors']['autoopt']:.1e} |")
+    geo = statistics.geometric_mean(speedups) if speedups else 0.0
+    lines += ["", f"Geometric-mean autoopt speedup over eager: {geo:.2f}×."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    for name in args.models.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            row = bench_one(name, batch, args.rounds)
+            rows.append(row)
+            print(f"{name} b{batch}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in
+                                                   row["median"].items()), flush=True)
+    section = table(rows, args.threads, "python bench/inference.py " + " ".join(sys.argv[1:]))
+    print(section)
+    if args.write:
+        write_section(ROOT / "docs" / "benchmarks.md", section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
