@@ -305,3 +305,17 @@ def test_kwargs_inputs() -> None:
     calls = [((x(2, 4),), {"double": True}), ((x(2, 4),), {"double": True})]
     fast = run_side_by_side(Flagged(), calls)
     assert len(fast.report.captures) == 1
+
+
+def test_a_capture_that_bakes_a_changing_value_is_rejected() -> None:
+    import random
+
+    class PythonRandom(nn.Module):
+        def forward(self, v: torch.Tensor) -> torch.Tensor:
+            return v * random.random()  # torch's seed does not reach Python's random
+
+    fast = autoopt.optimize(PythonRandom(), (x(4),), capture=("export",))
+    capture = fast.report.captures[0]
+    assert capture.method == "eager"
+    assert "captured graph differs from eager" in capture.attempts[0][1]
+    assert capture.passes == [] and capture.verification is None
