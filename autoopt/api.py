@@ -108,6 +108,7 @@ class OptimizedModule(nn.Module):
         self._dynamic = dynamic
         self._dynamic_shapes = dynamic_shapes
         self._specializations: list[_Specialization] = []
+        self._submodules = list(module.modules())  # for the train/eval flags checked per call
         # Measures nothing until a pass asks; measurements persist in the on-disk cache.
         self.cost_model = CostModel(_model_device(module) or "cpu")
 
@@ -116,7 +117,7 @@ class OptimizedModule(nn.Module):
         return spec.run(*args, **kwargs)
 
     def _find(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Specialization | None:
-        modes = current_modes(self.module)
+        modes = current_modes(self.module, self._submodules)
         for spec in self._specializations:
             if spec.signature is None or spec.signature.matches(args, kwargs, modes):
                 return spec

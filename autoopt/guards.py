@@ -39,14 +39,22 @@ class InputSignature:
     tree: pytree.TreeSpec
     leaves: tuple[Any, ...]  # TensorSpec for tensors, the value itself otherwise
     modes: tuple[bool, ...]
+    flat_keys: tuple[str, ...] | None = None  # kwargs names when no input is a container
 
     def matches(self, args: tuple[Any, ...], kwargs: Mapping[str, Any],
                 modes: tuple[bool, ...]) -> bool:
         if modes != self.modes:
             return False
-        leaves, tree = pytree.tree_flatten((tuple(args), dict(kwargs)))
-        if tree != self.tree or len(leaves) != len(self.leaves):
-            return False
+        leaves = _flat_leaves(args, kwargs) if self.flat_keys is not None else None
+        if leaves is not None:
+            # Fast path (no containers among the inputs): pytree's flatten costs more than a
+            # small model's forward.
+            if len(args) + len(kwargs) != len(self.leaves) or tuple(kwargs) != self.flat_keys:
+                return False
+        else:
+            leaves, tree = pytree.tree_flatten((tuple(args), dict(kwargs)))
+            if tree != self.tree or len(leaves) != len(self.leaves):
+                return False
         for spec, value in zip(self.leaves, leaves, strict=True):
             if isinstance(spec, TensorSpec):
                 if not isinstance(value, torch.Tensor) or not spec.matches(value):
@@ -71,10 +79,12 @@ def _same_value(a: Any, b: Any) -> bool:
         return False
 
 
-def current_modes(module: nn.Module) -> tuple[bool, ...]:
+def current_modes(module: nn.Module, submodules: list[nn.Module] | None = None,
+                  ) -> tuple[bool, ...]:
     """Grad mode and every submodule's ``training`` flag. (A graph captured without grad runs
     as well under ``inference_mode``; one captured with grad keeps parameter gradients.)"""
-    return (torch.is_grad_enabled(), *(m.training for m in module.modules()))
+    modules = module.modules() if submodules is None else submodules
+    return (torch.is_grad_enabled(), *(m.training for m in modules))
 
 
 def signature_of(args: tuple[Any, ...], kwargs: Mapping[str, Any], module: nn.Module,
@@ -90,7 +100,19 @@ def signature_of(args: tuple[Any, ...], kwargs: Mapping[str, Any], module: nn.Mo
             specs.append(TensorSpec(value.dtype, value.device, shape))
         else:
             specs.append(value)
-    return InputSignature(tree, tuple(specs), current_modes(module))
+    flat_keys = tuple(kwargs) if _flat_leaves(args, kwargs) is not None else None
+    return InputSignature(tree, tuple(specs), current_modes(module), flat_keys)
+
+
+def _flat_leaves(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any] | None:
+    """The inputs as they are when none is a container pytree would walk into, else None."""
+    leaves = [*args, *kwargs.values()]
+    for value in leaves:
+        if isinstance(value, (list, tuple, dict)) or (
+                not isinstance(value, torch.Tensor) and pytree._get_node_type(value)
+                in pytree.SUPPORTED_NODES):
+            return None
+    return leaves
 
 
 def _dynamic_dims(gm: GraphModule, n_leaves: int) -> dict[int, set[int]]:
