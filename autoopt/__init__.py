@@ -8,6 +8,7 @@ from .api import OptimizedModule, optimize
 from .backend import autoopt_backend
 from .config import OptimizeConfig
 from .errors import AutoOptError, ConfigError, DeviceError, InputError, ModelError, ModelSpecError
+from .onnx import OnnxReport, OnnxSession, OnnxVerificationError, export_onnx, onnx_session
 from .report import CaptureRecord, PassRecord, Report
 from .verify import Tolerance, VerifyResult
 
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutoOptError", "CaptureRecord", "ConfigError", "DeviceError", "InputError", "ModelError",
-    "ModelSpecError", "OptimizeConfig", "OptimizedModule", "PassRecord", "Report", "Tolerance",
-    "VerifyResult", "autoopt_backend", "optimize",
+    "ModelSpecError", "OnnxReport", "OnnxSession", "OnnxVerificationError", "OptimizeConfig",
+    "OptimizedModule", "PassRecord", "Report", "Tolerance", "VerifyResult", "autoopt_backend",
+    "export_onnx", "onnx_session", "optimize",
 ]

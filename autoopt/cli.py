@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from .errors import AutoOptError
+from .onnx import DYNAMIC_DIMS, EXPORTERS, OnnxSession
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,6 +46,40 @@ def _parser() -> argparse.ArgumentParser:
     prof.add_argument("--json", metavar="PATH", help="write every node's cost as JSON")
     prof.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     prof.add_argument("-v", "--verbose", action="store_true")
+
+    exp = sub.add_parser("export", help="optimize a model, export it to ONNX, check it under "
+                                        "ONNX Runtime; print a report")
+    exp.add_argument("model", help="package.module:factory, path/to/file.py:Name, or model.pt2")
+    exp.add_argument("--input", action="append", required=True, metavar="[NAME=]SHAPE[:DTYPE]",
+                     help="an example input, e.g. 1x3x224x224 or input_ids=1x128:int64; repeat "
+                          "for several inputs")
+    exp.add_argument("-o", "--output", required=True, metavar="PATH.onnx",
+                     help="the ONNX file to write")
+    exp.add_argument("--dtype", default="float32", help="dtype of inputs that name none")
+    exp.add_argument("--int-high", type=int, default=100,
+                     help="integer inputs are drawn from [0, INT_HIGH) (token ids)")
+    exp.add_argument("--dynamic", action="append", default=[], choices=DYNAMIC_DIMS,
+                     help="leave a dimension symbolic: batch (dim 0 of every input), sequence "
+                          "(dim 1 of integer inputs); repeatable")
+    exp.add_argument("--opset", type=int, default=None, help="ONNX opset (default: exporter's)")
+    exp.add_argument("--exporter", default="auto", choices=EXPORTERS,
+                     help="auto: torch.export-based (dynamo), falling back to TorchScript")
+    exp.add_argument("--no-verify", action="store_true",
+                     help="skip comparing ONNX Runtime with eager PyTorch")
+    exp.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    exp.add_argument("-v", "--verbose", action="store_true")
+
+    run = sub.add_parser("run", help="run an ONNX model under ONNX Runtime on random inputs")
+    run.add_argument("model", metavar="MODEL.onnx", help="the ONNX file")
+    run.add_argument("--input", action="append", required=True, metavar="[NAME=]SHAPE[:DTYPE]",
+                     help="an input, e.g. input_ids=1x128; the dtype defaults to the model's")
+    run.add_argument("--int-high", type=int, default=100,
+                     help="integer inputs are drawn from [0, INT_HIGH) (token ids)")
+    run.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    run.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    run.add_argument("--bench", type=int, default=0, metavar="N",
+                     help="time N runs after warm-up; print median latency and throughput")
+    run.add_argument("-v", "--verbose", action="store_true")
     return parser
 
 
@@ -59,6 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .profiling import profile_command
 
             return profile_command(args)
+        if args.command == "export":
+            return _export(args)
+        if args.command == "run":
+            return _run(args)
     except AutoOptError as exc:
         print(f"autoopt: error: {exc}", file=sys.stderr)
         return 2
@@ -83,6 +122,79 @@ def _optimize(args: argparse.Namespace) -> int:
         save_program(optimized, inputs, kwargs, args.save)
         print(f"saved {args.save}")
     return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .loading import load_model, model_inputs
+    from .onnx import export_onnx
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load_model(args.model)
+    inputs, kwargs = model_inputs(args.input, args.dtype, args.int_high)
+    report = export_onnx(model, inputs, args.output, example_kwargs=kwargs,
+                         dynamic=tuple(args.dynamic), opset=args.opset,
+                         verify=not args.no_verify, exporter=args.exporter)
+    print(report)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    import statistics
+    import time
+
+    from .onnx import onnx_session
+
+    session = onnx_session(args.model, device=args.device, threads=args.threads)
+    feeds = _onnx_feeds(session, args.input, args.int_high)
+    device = torch.device(args.device)
+    feeds = {name: t.to(device) for name, t in feeds.items()}
+    outputs = session.run(feeds)
+    print(f"providers: {', '.join(session.providers)}")
+    for name, value in outputs.items():
+        dtype = str(value.dtype).removeprefix("torch.")
+        print(f"output {name}: {dtype}[{', '.join(map(str, value.shape))}]")
+    if args.bench > 0:
+        for _ in range(min(args.bench, 3)):  # warm-up: first runs allocate and tune
+            session.run(feeds)
+        times = []
+        for _ in range(args.bench):
+            start = time.perf_counter()
+            session.run(feeds)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        median = statistics.median(times)
+        first = next(iter(feeds.values()), None)
+        batch = first.shape[0] if first is not None and first.dim() else 1
+        print(f"latency: median {median * 1e3:.3f} ms over {args.bench} runs "
+              f"(min {min(times) * 1e3:.3f} ms)")
+        print(f"throughput: {batch / median:.1f} samples/s (batch {batch})")
+    return 0
+
+
+def _onnx_feeds(session: OnnxSession, specs: list[str], int_high: int,
+                ) -> dict[str, torch.Tensor]:
+    """``--input`` specs -> tensors named after the model's inputs; a spec's dtype defaults
+    to the model's input type and unnamed specs fill the inputs in order."""
+    from .errors import InputError
+    from .loading import parse_input
+
+    names = session.input_names
+    feeds: dict[str, torch.Tensor] = {}
+    for position, spec in enumerate(specs):
+        name = spec.split("=", 1)[0] if "=" in spec else None
+        if name is None and position >= len(names):
+            raise InputError(f"--input {spec!r}: the model has only {len(names)} input(s): "
+                             f"{names}")
+        target = name if name is not None else names[position]
+        if target not in names:
+            raise InputError(f"--input {spec!r}: the model has no input {target!r}; its "
+                             f"inputs are {names}")
+        dtype = session.input_types.get(target) or torch.float32
+        _, tensor = parse_input(spec, str(dtype).removeprefix("torch."), int_high)
+        feeds[target] = tensor
+    return feeds
 
 
 if __name__ == "__main__":
