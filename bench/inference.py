@@ -81,7 +81,7 @@ def _onnx_runner(model: nn.Module, args: tuple, kwargs: dict, tmp: str) -> Calla
     names = [i.name for i in session.get_inputs()]
     feed = dict(zip(names, [a.numpy() for a in args if isinstance(a, torch.Tensor)],
                     strict=False))
-    return lambda: torch.from_numpy(session.run(None, feed)[0])
+    return lambda: torch.from_numpy(session.run(None, feed)[0])  # plain export, plain ORT
 
 
 def bench_one(name: str, batch: int, rounds: int) -> dict[str, Any]:
@@ -112,6 +112,19 @@ def bench_one(name: str, batch: int, rounds: int) -> dict[str, Any]:
             except Exception as exc:  # noqa: BLE001 - a failed export is a row entry, not a crash
                 print(f"  onnxruntime failed on {name}: {type(exc).__name__}: {exc}",
                       file=sys.stderr)
+            try:
+                before, start = _rss_mib(), time.perf_counter()
+                path = str(Path(tmp) / "autoopt.onnx")
+                autoopt.export_onnx(model, args, path, example_kwargs=kwargs, verify=False)
+                session = autoopt.onnx_session(path, threads=torch.get_num_threads())
+                tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
+                runners["autoopt→onnxruntime"] = lambda: _first_tensor(session(*tensors))
+                runners["autoopt→onnxruntime"]()
+                prepare["autoopt→onnxruntime"] = time.perf_counter() - start
+                memory["autoopt→onnxruntime"] = _rss_mib() - before
+            except Exception as exc:  # noqa: BLE001
+                print(f"  autoopt→onnxruntime failed on {name}: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)
             reference = _first_tensor(runners["eager"]())
             errors = {k: float((_first_tensor(r()) - reference).abs().max())
                       for k, r in runners.items()}
@@ -133,17 +146,20 @@ def table(rows: list[dict[str, Any]], threads: int, command: str) -> str:
              "Median of interleaved rounds; speedup = eager median / runner median; prepare = "
              "optimize / compile (incl. first call) / export + session time; mem = peak RSS "
              "growth while preparing; err = max abs difference from eager.", "",
-             "| model | batch | eager ms | autoopt | torch.compile | onnxruntime | autoopt "
-             "prepare s | compile s | autoopt err |", "|---|---|---|---|---|---|---|---|---|"]
+             "| model | batch | eager ms | autoopt | torch.compile | onnxruntime | autoopt→"
+             "onnxruntime | autoopt prepare s | compile s | autoopt err |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     speedups = []
     for r in rows:
         m, p = r["median"], r["prepare"]
         eager = m["eager"]
         cell = {label: f"{m[label] * 1e3:.1f} ms ({eager / m[label]:.2f}×)" if label in m
-                else "failed" for label in ("autoopt", "torch.compile", "onnxruntime")}
+                else "failed" for label in ("autoopt", "torch.compile", "onnxruntime",
+                                            "autoopt→onnxruntime")}
         speedups.append(eager / m["autoopt"])
         lines.append(f"| {r['model']} | {r['batch']} | {eager * 1e3:.1f} | {cell['autoopt']} | "
                      f"{cell['torch.compile']} | {cell['onnxruntime']} | "
+                     f"{cell['autoopt→onnxruntime']} | "
                      f"{p['autoopt']:.1f} | {p['torch.compile']:.1f} | "
                      f"{r['errors']['autoopt']:.1e} |")
     geo = statistics.geometric_mean(speedups) if speedups else 0.0
