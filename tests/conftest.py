@@ -7,6 +7,17 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+
+# Hypothesis profiles for the fuzzer (tests/fuzz). ``ci``, the default, is small, deterministic
+# and quick; ``long`` searches harder: ``pytest --hypothesis-profile long tests/fuzz``.
+# Registered here, in the conftest pytest loads first, so the option works from any path.
+_COMMON = dict(deadline=None, database=None, print_blob=True,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                      HealthCheck.filter_too_much])
+settings.register_profile("ci", max_examples=180, derandomize=True, **_COMMON)
+settings.register_profile("long", max_examples=2000, **_COMMON)
+settings.load_profile("ci")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
