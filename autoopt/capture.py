@@ -81,20 +81,30 @@ def _quiet_export() -> Iterator[None]:
 def _auto_dynamic_shapes(module: nn.Module, args: tuple[Any, ...],
                          kwargs: Mapping[str, Any]) -> Any:
     auto = torch.export.Dim.AUTO
+    return dynamic_shapes_for(module.forward, args, kwargs,
+                              lambda t: {d: auto for d in range(t.dim())} or None)
 
+
+def dynamic_shapes_for(forward: Callable[..., Any], args: tuple[Any, ...],
+                       kwargs: Mapping[str, Any],
+                       tensor_dims: Callable[[torch.Tensor], dict[int, Any] | None]) -> Any:
+    """A ``torch.export`` ``dynamic_shapes`` keyed by ``forward``'s argument names, with
+    ``tensor_dims(t)`` giving each tensor input's dynamic dimensions (None: all static),
+    walking into lists, tuples and dicts."""
     def spec(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return {d: auto for d in range(value.dim())} if value.dim() else None
+            return tensor_dims(value)
         if isinstance(value, (list, tuple)):
             return type(value)(spec(v) for v in value)
         if isinstance(value, dict):
             return {k: spec(v) for k, v in value.items()}
         return None
 
-    bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    signature = inspect.signature(forward)
+    bound = signature.bind(*args, **kwargs)
     shapes: dict[str, Any] = {}
     for name, value in bound.arguments.items():
-        kind = inspect.signature(module.forward).parameters[name].kind
+        kind = signature.parameters[name].kind
         if kind is inspect.Parameter.VAR_POSITIONAL:
             shapes[name] = tuple(spec(v) for v in value)
         elif kind is inspect.Parameter.VAR_KEYWORD:

@@ -39,6 +39,7 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
+from .capture import dynamic_shapes_for
 from .errors import AutoOptError, ConfigError, DeviceError, InputError, ModelError, ModelSpecError
 from .verify import Tolerance, VerifyResult, _leaves, check_all, input_sets
 
@@ -293,34 +294,17 @@ def _dynamic_shapes(forward: Any, args: tuple[Any, ...], kwargs: Mapping[str, An
         return None
     symbols = {name: name if named else torch.export.Dim.DYNAMIC for name in dims}
 
-    def spec(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            found = _dims_of(value, dims)
-            small = [(d, value.shape[d]) for d in found if value.shape[d] < 2]
-            if small:
-                raise InputError(f"dynamic {found[small[0][0]]!r} is dimension {small[0][0]} "
-                                 f"of an example input of shape {tuple(value.shape)}, whose "
-                                 f"size {small[0][1]} export would fix; use an example with "
-                                 f"a size of at least 2 there.")
-            return {d: symbols[name] for d, name in found.items()} or None
-        if isinstance(value, (list, tuple)):
-            return type(value)(spec(v) for v in value)
-        if isinstance(value, dict):
-            return {k: spec(v) for k, v in value.items()}
-        return None
+    def tensor_dims(value: torch.Tensor) -> dict[int, Any] | None:
+        found = _dims_of(value, dims)
+        small = [(d, value.shape[d]) for d in found if value.shape[d] < 2]
+        if small:
+            raise InputError(f"dynamic {found[small[0][0]]!r} is dimension {small[0][0]} "
+                             f"of an example input of shape {tuple(value.shape)}, whose "
+                             f"size {small[0][1]} export would fix; use an example with "
+                             f"a size of at least 2 there.")
+        return {d: symbols[name] for d, name in found.items()} or None
 
-    signature = inspect.signature(forward)
-    bound = signature.bind(*args, **kwargs)
-    shapes: dict[str, Any] = {}
-    for name, value in bound.arguments.items():
-        kind = signature.parameters[name].kind
-        if kind is inspect.Parameter.VAR_POSITIONAL:
-            shapes[name] = tuple(spec(v) for v in value)
-        elif kind is inspect.Parameter.VAR_KEYWORD:
-            shapes[name] = {k: spec(v) for k, v in value.items()}
-        else:
-            shapes[name] = spec(value)
-    return shapes
+    return dynamic_shapes_for(forward, args, kwargs, tensor_dims)
 
 
 def _whole_graph(optimized: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
