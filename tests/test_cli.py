@@ -106,3 +106,19 @@ def test_profile_command_prints_the_top_ops_and_the_prediction(
     assert data["measured_s"] > 0 and data["predicted_s"] > 0
     assert any(n["op"] == "aten.conv2d.default" and n["measured"] for n in data["nodes"])
     assert (tmp_path / "cache" / "autoopt" / "costs.json").exists()
+
+
+def test_profile_needs_a_whole_graph(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "branchy.py"
+    source.write_text(textwrap.dedent("""
+        from torch import nn
+
+        class Branchy(nn.Module):
+            def forward(self, x):
+                return x + 1 if x.sum() > 0 else x - 1
+    """))
+    assert main(["profile", f"{source}:Branchy", "--input", "4"]) == 2
+    assert "profile needs a whole graph, but torch.export failed" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["profile", f"{source}:Branchy", "--input", "4", "--device", "cuda"]) == 2
+        assert "no CUDA GPU is available" in capsys.readouterr().err
