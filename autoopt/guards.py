@@ -63,7 +63,7 @@ class InputSignature:
                 return False
         return True
 
-    def describe(self, names: list[str] | None = None) -> str:
+    def describe(self) -> str:
         parts = [str(s) if isinstance(s, TensorSpec) else repr(s) for s in self.leaves]
         return ", ".join(parts) if parts else "(no inputs)"
 

@@ -6,6 +6,7 @@ other figure is a roofline estimate calibrated by those measurements. Each figur
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 from collections.abc import Iterable, Sequence
@@ -186,7 +187,7 @@ class CostModel:
         """
         inputs = list(example_inputs) if example_inputs is not None else _random_inputs(gm)
         profiler = _NodeProfiler(gm, self, training)
-        with torch.no_grad() if not training else _nullcontext():
+        with torch.no_grad() if not training else contextlib.nullcontext():
             profiler.run(*inputs)
         self.cache.put_many(profiler.new_entries)
         self._fit_calibration(profiler.costs, gm)
@@ -197,10 +198,11 @@ class CostModel:
         ceilings = self.info.ceilings
         assert ceilings is not None
         ratios: dict[str, list[float]] = {}
+        nodes = {n.name: n for n in gm.graph.nodes}
         for cost in measured.values():
             if not cost.measured or cost.latency_s <= 0:
                 continue
-            node = next((n for n in gm.graph.nodes if n.name == cost.node), None)
+            node = nodes.get(cost.node)
             view = node is not None and is_view(node.target)
             args = pytree.tree_map_only(Node, _meta_value, node.args) if node else ()
             roof = roofline_seconds(cost.flops, cost.bytes, _first_dtype(args), ceilings, view)
@@ -237,14 +239,6 @@ class CostModel:
                          sum(c.saved_bytes for c in costs), {c.node: c for c in costs})
 
 
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 class _NodeProfiler(Interpreter):
     """Runs the graph once; times each op node alone on its real inputs as it goes."""
 
@@ -254,6 +248,8 @@ class _NodeProfiler(Interpreter):
         self.training = training
         self.costs: dict[str, NodeCost] = {}
         self.new_entries: dict[str, dict[str, Any]] = {}
+        # Parameters are held for backward by reference, not as new memory: not counted.
+        self._parameter_storages = {t.data_ptr() for t in gm.parameters()} if training else set()
 
     def run_node(self, n: Node) -> Any:
         result = super().run_node(n)
@@ -298,7 +294,7 @@ class _NodeProfiler(Interpreter):
                               before=self.model.evict_cache)
 
     def _saved_bytes(self, n: Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-        params = {t.data_ptr() for t in self.module.parameters()}
+        params = self._parameter_storages
         seen: set[int] = set()
         total = 0
 
