@@ -1,0 +1,305 @@
+"""Run compute-heavy ops in bf16/fp16 (or linears in int8), keeping fp32 where measurement says
+accuracy needs it.
+
+    x ─ linear ─ gelu ─ linear ─ add(x) ─ layer_norm ─ ...                    (fp32)
+                                  ⟶
+    x ─ to(bf16) ─ linear ─ gelu ─ linear ─ to(fp32) ─ add(x) ─ layer_norm ─ ...
+
+Starting policy: matmuls, convolutions and attention in low precision, sensitive ops (norms,
+softmax, reductions, exp/log/pow, losses, cumulative ops) in fp32, the rest following their
+inputs (``precision_cast``). Then, by measurement on the example inputs: when the whole-graph
+error exceeds the budget (half the tolerance), groups of neighbouring candidates are run alone
+in low precision and the worst go back to fp32 until the whole graph fits (``choose``). What was
+chosen, and why, goes into ``gm.meta["precision"]`` for the report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Interpreter, Node
+from torch.utils import _pytree as pytree
+
+from . import precision_ops
+from .base import PassContext, PassResult
+from .precision_cast import (
+    CastInterpreter,
+    apply_casts,
+    candidates,
+    functionalize_inplace,
+    is_aten_graph,
+)
+from .precision_int8 import Int8Interpreter, apply_int8, int8_candidates, int8_engine
+
+log = logging.getLogger(__name__)
+
+LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = ("fp32", "bf16", "fp16", "int8")
+# End-to-end relative error allowed when the user gives no tolerance.
+DEFAULT_TOLERANCE = {"bf16": 2e-2, "fp16": 1e-2, "int8": 5e-2}
+# Share of the tolerance the example inputs may use: fresh inputs verified later may err more.
+_MARGIN = 0.5
+# Candidates are measured alone in at most this many groups of neighbours (each a whole-graph
+# run), and at most this many sent back to fp32 are retried one by one.
+_MAX_GROUPS = 8
+_MAX_RETRIES = 8
+
+
+@dataclass(frozen=True)
+class KeptOp:
+    """An op left in fp32, and why."""
+
+    node: str
+    op: str
+    why: str
+
+
+@dataclass(frozen=True)
+class PrecisionSummary:
+    """What the precision pass chose, for the report.
+
+    Args:
+        precision: ``bf16``, ``fp16`` or ``int8``.
+        tolerance: the end-to-end relative error allowed (max |error| / max |fp32 output|).
+        achieved_error: that error on the example inputs with the chosen casts.
+        low_ops: compute-heavy ops now running in low precision.
+        kept: ops left in fp32: sensitive by policy, or by measurement.
+        casts: cast nodes inserted.
+        params_stored_low: parameters stored once in low precision.
+        trials: whole-graph runs the measurement took.
+    """
+
+    precision: str
+    tolerance: float
+    achieved_error: float
+    low_ops: int
+    kept: tuple[KeptOp, ...]
+    casts: int = 0
+    params_stored_low: int = 0
+    trials: int = 0
+
+    def lines(self, limit: int = 12) -> list[str]:
+        head = (f"precision {self.precision}: {self.low_ops} op(s) in {self.precision}, "
+                f"{len(self.kept)} kept in fp32; error {self.achieved_error:.3g} on the "
+                f"example inputs (tolerance {self.tolerance:g}); {self.casts} cast(s), "
+                f"{self.params_stored_low} parameter(s) stored in {self.precision}")
+        rows = [f"  fp32 {k.node} ({k.op}): {k.why}" for k in self.kept[:limit]]
+        if len(self.kept) > limit:
+            rows.append(f"  ... {len(self.kept) - limit} more (report.captures[i].precision)")
+        return [head, *rows]
+
+
+def cast_precision(gm: GraphModule, ctx: PassContext) -> PassResult:
+    """Cast compute-heavy ops to the precision in ``ctx.options["precision"]``.
+
+    Options (set by ``OptimizeConfig(precision=..., tolerance=...)``):
+        precision: ``None``/``"fp32"`` (do nothing), ``"bf16"``, ``"fp16"`` or ``"int8"``.
+        tolerance: end-to-end relative error budget; default ``DEFAULT_TOLERANCE``.
+
+    Safety: only ``torch.export`` (ATen) graphs, only ops whose floating inputs and outputs
+    are fp32, never a value written in place; graph outputs keep their dtype; in training the
+    parameters stay fp32 and are cast inside the graph so gradients reach them.
+    """
+    precision = ctx.options.get("precision")
+    if precision in (None, "fp32") or not is_aten_graph(gm):
+        return PassResult(gm, False)
+    tolerance = float(ctx.options.get("tolerance") or DEFAULT_TOLERANCE[precision])
+    if precision == "int8":
+        return _int8(gm, ctx, tolerance)
+    dtype = LOW_DTYPES[precision]
+    functionalize_inplace(gm)
+    nodes = candidates(gm)
+    if not nodes:
+        return PassResult(gm, False)
+    names, kinds = [n.name for n in nodes], [_kind(n) for n in nodes]
+    measure = _Measure(gm, ctx.example_inputs)
+
+    params: dict[str, torch.Tensor] = {}  # low-precision weights, cast once for all trials
+    low, kept, error = choose(
+        names, lambda s: measure.error(CastInterpreter(gm, s, dtype, params)),
+        _MARGIN * tolerance, kinds)
+    if not low:
+        log.info("precision %s: no op fits the tolerance %g in low precision", precision,
+                 tolerance)
+        return PassResult(gm, False)
+    plan = apply_casts(gm, low, dtype, store_params=not ctx.training)
+    ops = {n.name: n for n in gm.graph.nodes}
+    kept_ops = [KeptOp(n, _op(ops[n]), why) for n, why in kept.items()]
+    kept_ops += [KeptOp(n.name, _op(n), "numerically sensitive (policy)")
+                 for n in gm.graph.nodes if n.target in precision_ops.SENSITIVE
+                 and n.name not in plan.low_nodes]
+    gm.meta["precision"] = PrecisionSummary(precision, tolerance, error, len(low),
+                                            tuple(kept_ops), plan.casts, plan.params_stored_low,
+                                            measure.trials)
+    return PassResult(gm, True, {f"{precision}_ops": len(low), "casts": plan.casts,
+                                 "kept_fp32": len(kept)})
+
+
+def choose(names: Sequence[str], error_of: Callable[[set[str]], float], budget: float,
+           kinds: Sequence[Hashable] | None = None) -> tuple[set[str], dict[str, str], float]:
+    """Pick which candidates run in low precision.
+
+    All of them when the whole graph fits the budget. Otherwise each group of candidates is
+    measured alone in low precision (``_groups``: the same op of each repeated block, or
+    neighbours); groups go back to fp32 worst first (more at
+    a time each round) until the graph fits; then the ops of the groups sent back are tried in
+    low precision again one at a time, so only those that need it stay fp32.
+
+    Args:
+        names: candidate node names, in graph order.
+        error_of: the end-to-end relative error with these candidates in low precision.
+        budget: the error allowed.
+        kinds: per candidate, what it is (op and shapes), to find repeated blocks.
+    Returns:
+        (names to run low, {name kept in fp32: why}, the error of the chosen set); an empty
+        set when no candidate fits.
+    """
+    low = set(names)
+    error = error_of(low)
+    if error <= budget:
+        return low, {}, error
+    groups = _groups(names, kinds)
+    alone = {g: error_of(set(g)) for g in groups}
+    kept: dict[str, str] = {}
+    for group in groups:  # over budget on its own (or overflowing): no set containing it fits
+        if alone[group] > budget:
+            kept.update({n: f"alone adds error {alone[group]:.3g} > {budget:.3g}" for n in group})
+    # Rounding errors from different ops add roughly in quadrature: calibrated on the measured
+    # error, that model says how many of the worst groups must go back to fp32 (then checked).
+    remaining = sorted((g for g in groups if alone[g] <= budget), key=lambda g: -alone[g])
+    if len(remaining) < len(groups):
+        low = {n for g in remaining for n in g}
+        error = error_of(low) if low else math.inf
+    while remaining and error > budget:
+        energy = sum(alone[g] ** 2 for g in remaining)
+        scale = error / math.sqrt(energy) if energy > 0 else math.inf
+        count = 0
+        while count < len(remaining) - 1 and scale * math.sqrt(energy) > budget:
+            energy -= alone[remaining[count]] ** 2
+            count += 1
+        for group in remaining[:max(count, 1)]:
+            kept.update({n: f"its group alone adds error {alone[group]:.3g}; kept so the "
+                            f"graph fits {budget:.3g}" for n in group})
+        remaining = remaining[max(count, 1):]
+        low = {n for g in remaining for n in g}
+        error = error_of(low) if low else math.inf
+    if not low:
+        return set(), kept, error
+    hopeless = {g[0] for g in groups if len(g) == 1 and alone[g] > budget}
+    retry = [n for n in names if n in kept and n not in hopeless]
+    for name in retry[:_MAX_RETRIES]:
+        trial = error_of(low | {name})
+        if trial <= budget:
+            low, error = low | {name}, trial
+            del kept[name]
+        else:
+            kept[name] = (f"in low precision the graph's error would be {trial:.3g} > "
+                          f"{budget:.3g}")
+    return low, kept, error
+
+
+def _int8(gm: GraphModule, ctx: PassContext, tolerance: float) -> PassResult:
+    # Safety: inference only (a quantized linear has no gradient) and a quantized engine exists.
+    if ctx.training or ctx.device.type != "cpu" or int8_engine() is None:
+        return PassResult(gm, False)
+    nodes = int8_candidates(gm)
+    if not nodes:
+        return PassResult(gm, False)
+    names, kinds = [n.name for n in nodes], [_kind(n) for n in nodes]
+    measure = _Measure(gm, ctx.example_inputs)
+    packed: dict[str, Any] = {}  # int8 weights, packed once for all trials and the result
+    low, kept, error = choose(names, lambda s: measure.error(Int8Interpreter(gm, s, packed)),
+                              _MARGIN * tolerance, kinds)
+    if not low:
+        return PassResult(gm, False)
+    ops = {n.name: _op(n) for n in gm.graph.nodes}
+    replaced = apply_int8(gm, low, packed)
+    gm.meta["precision"] = PrecisionSummary(
+        "int8", tolerance, error, replaced,
+        tuple(KeptOp(n, ops[n], why) for n, why in kept.items()), params_stored_low=replaced,
+        trials=measure.trials)
+    return PassResult(gm, True, {"int8_linear": replaced, "kept_fp32": len(kept)})
+
+
+class _Measure:
+    """Runs candidate graphs on the example inputs and compares them with the fp32 graph."""
+
+    def __init__(self, gm: GraphModule, example_inputs: Sequence[Any]) -> None:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(example_inputs) != len(placeholders):
+            raise ValueError("the precision pass measures on the example inputs, but they do "
+                             f"not match the graph's {len(placeholders)} placeholder(s)")
+        self.inputs = tuple(example_inputs)
+        self.trials = 0
+        self.reference = self._run(Interpreter(gm))
+
+    def error(self, candidate: Interpreter) -> float:
+        """Max over floating outputs of ``max |actual - expected| / max |expected|``."""
+        self.trials += 1
+        worst = 0.0
+        for e, a in zip(self.reference, self._run(candidate), strict=True):
+            if not (isinstance(e, torch.Tensor) and e.is_floating_point() and e.numel()):
+                continue
+            e64, a64 = e.double(), a.double()
+            scale = float(e64.abs().max())
+            diff = float((a64 - e64).abs().max())
+            if math.isnan(diff):  # an overflow (fp16) or NaN: never within any budget
+                return math.inf
+            worst = max(worst, diff / scale if scale > 0 else diff)
+        return worst
+
+    def _run(self, interpreter: Interpreter) -> list[Any]:
+        with torch.no_grad(), torch.random.fork_rng(), _quiet():
+            torch.manual_seed(0)  # dropout in training draws the same masks each run
+            out = interpreter.run(*self.inputs)
+        return pytree.tree_leaves(out)
+
+
+def _groups(names: Sequence[str], kinds: Sequence[Hashable] | None = None,
+            ) -> list[tuple[str, ...]]:
+    """Candidates to measure together. In a stack of identical blocks (a transformer's layers)
+    the same op of every block forms a group (all query projections, all FFN outputs: ops of
+    one role err alike, while neighbours differ), the ops after the last whole block another.
+    Otherwise at most ``_MAX_GROUPS`` runs of neighbours."""
+    period = _period(kinds) if kinds is not None else None
+    if period is not None:
+        whole = len(names) // period * period
+        groups = [tuple(names[i:whole:period]) for i in range(period)]
+        return groups + ([tuple(names[whole:])] if whole < len(names) else [])
+    size = max(1, math.ceil(len(names) / _MAX_GROUPS))
+    return [tuple(names[i:i + size]) for i in range(0, len(names), size)]
+
+
+def _period(kinds: Sequence[Hashable]) -> int | None:
+    """The length of the block ``kinds`` repeats (at least twice, 2 to ``_MAX_GROUPS`` ops)."""
+    for period in range(2, min(_MAX_GROUPS, len(kinds) // 2) + 1):
+        whole = len(kinds) // period * period
+        if all(kinds[i] == kinds[i + period] for i in range(whole - period)):
+            return period
+    return None
+
+
+def _kind(node: Node) -> Hashable:
+    shapes = tuple(str(tuple(v.shape)) for a in node.all_input_nodes
+                   if isinstance(v := a.meta.get("val"), torch.Tensor))
+    return str(node.target), shapes
+
+
+def _op(node: Node) -> str:
+    return str(getattr(node.target, "__name__", node.target))
+
+
+@contextlib.contextmanager
+def _quiet() -> Any:
+    # The int8 kernels warn about deprecated quantized tensors on every call.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        yield

@@ -1,0 +1,400 @@
+"""The precision pass: bf16/fp16 casts chosen by measurement, int8 linears, training, errors."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from model_zoo import REAL_MODELS, bert, token_ids
+from torch import nn
+from torch.fx import GraphModule
+
+import autoopt
+from autoopt import capture
+from autoopt import precision as precision_settings
+from autoopt.errors import ConfigError
+from autoopt.passes import PassContext
+from autoopt.passes.graph import attr
+from autoopt.passes.precision import cast_precision, choose
+from autoopt.verify import _leaves, input_sets
+
+aten = torch.ops.aten
+
+
+class Block(nn.Module):
+    """linear ─ gelu ─ linear ─ layer_norm: one low-precision region, one fp32 island."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.down(nn.functional.gelu(self.up(x))))
+
+
+def _export(model: nn.Module, *args: Any) -> GraphModule:
+    with torch.no_grad():
+        return capture.export_graph(model, args, {})
+
+
+def _dtype_of(gm: GraphModule, target: Any) -> torch.dtype:
+    (node,) = [n for n in gm.graph.nodes if n.target == target]
+    return node.meta["val"].dtype
+
+
+def assert_within(expected: Any, actual: Any, tolerance: float) -> None:
+    """Every floating output within ``tolerance * max(1, max |expected|)`` of fp32, the bound
+    verification holds a precision option to."""
+    want, got = dict(_leaves(expected, "out")), dict(_leaves(actual, "out"))
+    assert want.keys() == got.keys()
+    for key, e in want.items():
+        if isinstance(e, torch.Tensor) and e.is_floating_point():
+            assert got[key].dtype == e.dtype, key
+            scale = max(1.0, float(e.abs().max()))
+            torch.testing.assert_close(got[key], e, rtol=0.0, atol=tolerance * scale, msg=key)
+
+
+def assert_fresh_inputs_within(model: nn.Module, fast: nn.Module, args: tuple[Any, ...],
+                               kwargs: dict[str, Any], tolerance: float) -> None:
+    for a, k in input_sets(args, kwargs, 2, seed=123)[1:]:  # not the sets verification saw
+        with torch.no_grad():
+            assert_within(model(*a, **k), fast(*a, **k), tolerance)
+
+
+# --- the pass on a tiny module ---------------------------------------------------------------
+
+
+def test_block_runs_linears_in_bf16_and_layer_norm_in_fp32() -> None:
+    x = torch.randn(4, 16)
+    gm = _export(Block().eval(), x)
+    ctx = PassContext((x,), options={"precision": "bf16", "tolerance": 0.05})
+    result = cast_precision(gm, ctx)
+    assert result.modified and result.counts["bf16_ops"] == 2
+    gm = result.graph_module
+    gm.recompile()
+    linears = [n for n in gm.graph.nodes if n.target == aten.linear.default]
+    assert [n.meta["val"].dtype for n in linears] == [torch.bfloat16, torch.bfloat16]
+    assert _dtype_of(gm, aten.gelu.default) == torch.bfloat16  # follows its input: no cast
+    assert _dtype_of(gm, aten.layer_norm.default) == torch.float32
+    # Expected: x ─ to(bf16) ─ linear ─ gelu ─ linear ─ to(fp32) ─ layer_norm: two casts.
+    casts = [n for n in gm.graph.nodes if n.target == aten._to_copy.default]
+    assert [c.kwargs["dtype"] for c in casts] == [torch.bfloat16, torch.float32]
+    # Inference stores the linear weights once in bf16; layer_norm's stay fp32.
+    stored = {str(n.target): attr(gm, n).dtype for n in gm.graph.nodes if n.op == "get_attr"}
+    assert sum(d == torch.bfloat16 for d in stored.values()) == 4
+    assert sum(d == torch.float32 for d in stored.values()) == 2
+    summary = gm.meta["precision"]
+    assert [k.node for k in summary.kept] == ["layer_norm"]
+    assert summary.achieved_error <= 0.05 / 2
+
+
+def test_block_optimized_matches_fp32_on_fresh_inputs() -> None:
+    model, x = Block().eval(), torch.randn(8, 16)
+    fast = autoopt.optimize(model, (x,), precision="bf16", tolerance=2e-2)
+    assert fast.report.captures[0].precision is not None
+    assert_fresh_inputs_within(model, fast, (x,), {}, 2e-2)
+    assert fast(x).dtype == torch.float32  # outputs keep their type
+
+
+def test_choose_sends_back_the_worst_op_until_the_graph_fits() -> None:
+    alone = {"a": 1e-3, "b": 2e-2, "c": 1e-3, "d": 1e-3}
+    runs = []
+
+    def error_of(low: set[str]) -> float:  # errors adding in quadrature
+        runs.append(low)
+        return math.sqrt(sum(alone[n] ** 2 for n in low))
+
+    low, kept, error = choose(list(alone), error_of, budget=1e-2)
+    assert low == {"a", "c", "d"} and list(kept) == ["b"] and error <= 1e-2
+    assert "alone adds error 0.02" in kept["b"]
+    runs.clear()
+    assert choose(list(alone), error_of, budget=0.1) == (set(alone), {}, error_of(set(alone)))
+    assert len(runs) == 2  # one measurement when everything fits (plus the check's own call)
+    assert choose(list(alone), error_of, budget=1e-4)[0] == set()
+
+
+def test_linear_that_overflows_fp16_is_kept_in_fp32() -> None:
+    # The first linear's outputs reach ~1e6, past fp16's 65504; the layer norm brings them
+    # back to ~1, where the second linear is fine in fp16.
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4)).eval()
+    with torch.no_grad():
+        model[0].weight.mul_(1e5)  # weights up to 25000: still fp16 values
+    x = 4 * torch.randn(8, 16)
+    gm = _export(model, x)
+    result = cast_precision(gm, PassContext((x,), options={"precision": "fp16",
+                                                           "tolerance": 1e-2}))
+    assert result.modified
+    summary = result.graph_module.meta["precision"]
+    assert summary.low_ops == 1
+    overflowing = next(k for k in summary.kept if k.op.startswith("linear"))
+    assert overflowing.node == "linear" and "alone adds error inf" in overflowing.why
+    with torch.no_grad():
+        out = torch.fx.Interpreter(result.graph_module).run(x)
+        assert_within(model(x), out[0] if isinstance(out, (list, tuple)) else out, 1e-2)
+
+
+def test_pass_does_nothing_without_precision_or_compute_ops() -> None:
+    x = torch.randn(4, 16)
+    gm = _export(Block().eval(), x)
+    assert not cast_precision(gm, PassContext((x,))).modified
+    assert not cast_precision(gm, PassContext((x,), options={"precision": "fp32"})).modified
+    norm_only = _export(nn.LayerNorm(16).eval(), x)
+    assert not cast_precision(norm_only, PassContext((x,), options={"precision": "bf16"})).modified
+
+
+def test_graph_not_from_export_runs_in_fp32_with_a_note() -> None:
+    model, x = Block().eval(), torch.randn(4, 16)
+    fast = autoopt.optimize(model, (x,), precision="bf16", capture=("symbolic_trace",))
+    assert fast.report.captures[0].precision is None
+    assert any("precision='bf16' not applied" in w and "torch.export graphs only" in w
+               for w in fast.report.warnings)
+    torch.testing.assert_close(fast(x), model(x))
+
+
+def test_inplace_relu_after_conv_is_functionalized_not_cast_around() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(inplace=True), nn.Conv2d(8, 4, 3)).eval()
+    x = torch.randn(1, 3, 16, 16)
+    fast = autoopt.optimize(model, (x,), precision="bf16", tolerance=5e-2)
+    summary = fast.report.captures[0].precision
+    assert summary is not None and summary.low_ops == 2 and summary.casts == 2
+    assert_fresh_inputs_within(model, fast, (x,), {}, 5e-2)
+
+
+# --- real models -----------------------------------------------------------------------------
+
+
+def _gpt2_without_cache() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    # use_cache=False: no DynamicCache output, so torch.export (the pass's input) can take it.
+    config = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2,
+                                     n_positions=64, bos_token_id=0, eos_token_id=0,
+                                     use_cache=False)
+    return transformers.GPT2Model(config).eval(), (token_ids(),), {}
+
+
+@pytest.mark.parametrize("make", [REAL_MODELS["bert"], _gpt2_without_cache,
+                                  REAL_MODELS["resnet18"]], ids=["bert", "gpt2", "resnet18"])
+def test_real_models_in_bf16_match_fp32_within_tolerance(make: Any) -> None:
+    model, args, kwargs = make()
+    tolerance = 3e-2
+    fast = autoopt.optimize(model, args, kwargs, precision="bf16", tolerance=tolerance)
+    capture_record = fast.report.captures[0]
+    assert capture_record.method == "export"
+    summary = capture_record.precision
+    assert summary is not None and summary.low_ops > 0, str(fast.report)
+    assert summary.achieved_error <= tolerance
+    assert_fresh_inputs_within(model, fast, args, kwargs, tolerance)
+    text = str(fast.report)
+    assert "precision bf16" in text
+    if isinstance(model, transformers.PreTrainedModel):  # layer norms reported as fp32
+        assert any(k.op.startswith("layer_norm") for k in summary.kept)
+        assert "fp32 layer_norm" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("make", [REAL_MODELS["bert"], _gpt2_without_cache,
+                                  REAL_MODELS["resnet18"]], ids=["bert", "gpt2", "resnet18"])
+def test_real_models_on_cuda_match_fp32_within_tolerance(make: Any, precision: str) -> None:
+    model, args, kwargs = make()
+    model = model.cuda()
+    args = tuple(a.cuda() for a in args)
+    kwargs = {k: v.cuda() for k, v in kwargs.items()}
+    fast = autoopt.optimize(model, args, kwargs, precision=precision, tolerance=3e-2)
+    assert fast.report.captures[0].precision.low_ops > 0, str(fast.report)
+    assert_fresh_inputs_within(model, fast, args, kwargs, 3e-2)
+
+
+def test_bert_in_forced_fp16_matches_fp32() -> None:
+    model, args, kwargs = bert()
+    fast = autoopt.optimize(model, args, kwargs, precision="fp16", tolerance=1e-2,
+                            pass_options={"precision": {"force": True}})
+    assert fast.report.captures[0].precision.low_ops > 0
+    assert_fresh_inputs_within(model, fast, args, kwargs, 1e-2)
+
+
+def test_tighter_tolerance_keeps_more_ops_in_fp32() -> None:
+    model, args, kwargs = bert()
+    kept = {}
+    for tolerance in (3e-2, 1e-3):
+        fast = autoopt.optimize(model, args, kwargs, precision="bf16", tolerance=tolerance)
+        summary = fast.report.captures[0].precision
+        assert summary is not None, str(fast.report)
+        kept[tolerance] = {k.node for k in summary.kept if "policy" not in k.why}
+        assert_fresh_inputs_within(model, fast, args, kwargs, tolerance)
+    assert kept[3e-2] < kept[1e-3]
+    assert all(why for why in kept[1e-3])
+
+
+# --- training --------------------------------------------------------------------------------
+
+
+class Regressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = 50,
+           scaler: torch.amp.GradScaler | None = None) -> list[float]:
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        losses.append(loss.item())
+    return losses
+
+
+def _training_case(device: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    x = torch.randn(64, 16, device=device)
+    y = torch.sin(x @ torch.randn(16, 4, device=device))
+    return Regressor().to(device).train(), x, y
+
+
+def test_bf16_training_tracks_fp32_loss_over_50_steps() -> None:
+    model, x, y = _training_case("cpu")
+    reference = _train(copy.deepcopy(model), x, y)
+    fast = autoopt.optimize(copy.deepcopy(model), (x,), precision="bf16", training=True)
+    assert fast.report.captures[0].precision.low_ops == 3
+    losses = _train(fast, x, y)
+    # fp32 master weights: the parameters stay fp32 and receive fp32 gradients.
+    assert all(p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32
+               for p in fast.parameters())
+    assert losses[-1] < 0.1 * losses[0]  # it learns
+    assert abs(losses[-1] - reference[-1]) <= 0.05 * reference[-1]
+
+
+def test_forced_fp16_training_works_with_grad_scaler_on_cpu() -> None:
+    model, x, y = _training_case("cpu")
+    reference = _train(copy.deepcopy(model), x, y)
+    fast = autoopt.optimize(copy.deepcopy(model), (x,), precision="fp16", training=True,
+                            pass_options={"precision": {"force": True}})
+    assert fast.report.captures[0].precision.low_ops == 3
+    losses = _train(fast, x, y, scaler=torch.amp.GradScaler("cpu"))
+    assert abs(losses[-1] - reference[-1]) <= 0.05 * reference[-1]
+
+
+@pytest.mark.gpu
+def test_fp16_training_with_grad_scaler_tracks_fp32_on_cuda() -> None:
+    model, x, y = _training_case("cuda")
+    reference = _train(copy.deepcopy(model), x, y)
+    fast = autoopt.optimize(copy.deepcopy(model), (x,), precision="fp16", training=True)
+    assert fast.report.captures[0].precision.low_ops == 3
+    losses = _train(fast, x, y, scaler=torch.amp.GradScaler("cuda"))
+    assert abs(losses[-1] - reference[-1]) <= 0.05 * reference[-1]
+
+
+# --- int8 ------------------------------------------------------------------------------------
+
+
+def test_int8_quantizes_bert_linears_within_tolerance() -> None:
+    model, args, kwargs = bert()
+    fast = autoopt.optimize(model, args, kwargs, precision="int8", tolerance=5e-2)
+    summary = fast.report.captures[0].precision
+    assert summary is not None and summary.precision == "int8" and summary.low_ops == 13
+    graph = fast._specializations[0].run.graph
+    assert not [n for n in graph.nodes if n.target == aten.linear.default]
+    assert_fresh_inputs_within(model, fast, args, kwargs, 5e-2)
+
+
+# --- ONNX ------------------------------------------------------------------------------------
+
+
+def test_onnx_export_carries_fp16_compute_with_fp32_islands(tmp_path: Any) -> None:
+    import onnx
+
+    model, x = Block().eval(), torch.randn(4, 16)
+    path = tmp_path / "block.onnx"
+    report = autoopt.export_onnx(model, (x,), path, precision="fp16")
+    assert report.ok  # ORT vs eager fp32, within fp16's default tolerance
+    proto = onnx.load(str(path))
+    fp32, fp16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
+    casts = [next(a.i for a in n.attribute if a.name == "to")
+             for n in proto.graph.node if n.op_type == "Cast"]
+    assert casts == [fp16, fp32]  # into the linear region, back out before LayerNormalization
+    assert [n.op_type for n in proto.graph.node][-1] == "LayerNormalization"
+    assert fp16 in {i.data_type for i in proto.graph.initializer}  # weights stored in fp16
+    assert [i.type.tensor_type.elem_type for i in proto.graph.input] == [fp32]
+    assert [o.type.tensor_type.elem_type for o in proto.graph.output] == [fp32]
+    # The same decisions as the PyTorch module: ORT and the fp16 graph agree closely.
+    fast = autoopt.optimize(model, (x,), precision="fp16",
+                            pass_options={"precision": {"force": True}})
+    with torch.no_grad():
+        torch.testing.assert_close(autoopt.onnx_session(path)(x), fast(x), rtol=2e-3, atol=2e-3)
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+def test_unknown_precision_lists_the_valid_ones() -> None:
+    with pytest.raises(ConfigError, match=r"precision='fp8' is not supported; use one of "
+                                          r"\[None, 'fp32', 'bf16', 'fp16', 'int8'\]"):
+        autoopt.OptimizeConfig(precision="fp8")
+
+
+def test_tolerance_needs_a_precision_and_a_sensible_value() -> None:
+    with pytest.raises(ConfigError, match="pass precision='bf16', 'fp16' or 'int8' with it"):
+        autoopt.OptimizeConfig(tolerance=1e-2)
+    with pytest.raises(ConfigError, match=r"tolerance must be a number in \(0, 1\)"):
+        autoopt.OptimizeConfig(precision="bf16", tolerance=2.0)
+
+
+def test_precision_config_sets_verification_tolerance_and_rebuilds_cleanly() -> None:
+    cfg = autoopt.OptimizeConfig(precision="bf16", tolerance=1e-2)
+    assert cfg.tolerances[torch.float32] == autoopt.Tolerance(rtol=0.0, atol=1e-2)
+    assert cfg.pass_options["precision"] == {"precision": "bf16", "tolerance": 1e-2}
+    looser = autoopt.OptimizeConfig.build(cfg, {"tolerance": 3e-2})
+    assert looser.tolerances[torch.float32].atol == 3e-2
+    off = autoopt.OptimizeConfig.build(looser, {"tolerance": None, "precision": None})
+    assert off.tolerances == {} and "precision" not in off.pass_options
+
+
+def test_int8_training_is_rejected() -> None:
+    model, x, _ = _training_case("cpu")
+    with pytest.raises(ConfigError, match="precision='int8' is for inference"):
+        autoopt.optimize(model, (x,), precision="int8", training=True)
+
+
+def test_int8_on_a_gpu_is_rejected() -> None:
+    cfg = autoopt.OptimizeConfig(precision="int8")
+    with pytest.raises(ConfigError, match=r"precision='int8' \(dynamic quantization\) runs on "
+                                          r"the CPU only; the model is on cuda:0"):
+        precision_settings.check_target(cfg, torch.device("cuda:0"), training=False)
+
+
+def test_fp16_on_a_cpu_where_it_is_slower_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    speeds = {torch.float32: 100e9, torch.float16: 20e9, torch.bfloat16: 800e9}
+    monkeypatch.setattr(precision_settings, "matmul_flops", lambda device, dtype: speeds[dtype])
+    model, x = Block().eval(), torch.randn(4, 16)
+    with pytest.raises(ConfigError, match=r"precision='fp16' on this CPU would be slower than "
+                                          r"fp32 \(20 GFLOP/s in fp16 vs 100 in fp32"):
+        autoopt.optimize(model, (x,), precision="fp16")
+
+
+def test_bf16_on_a_cpu_without_fast_bf16_is_skipped_with_a_note(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    speeds = {torch.float32: 100e9, torch.bfloat16: 30e9}
+    monkeypatch.setattr(precision_settings, "matmul_flops", lambda device, dtype: speeds[dtype])
+    model, x = Block().eval(), torch.randn(4, 16)
+    fast = autoopt.optimize(model, (x,), precision="bf16")
+    assert fast.report.captures[0].precision is None
+    assert any("no fast bf16 matmul" in w for w in fast.report.warnings)
+    torch.testing.assert_close(fast(x), model(x))
