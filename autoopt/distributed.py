@@ -1,0 +1,195 @@
+"""autoopt's pipeline cut, run across processes by ``torch.distributed.pipelining``.
+
+Every process captures the same graph; rank 0 profiles it and partitions it into one stage per
+process, and sends the plan to the others; each process then builds its own stage as a
+``PipelineStage`` and runs it under ``ScheduleGPipe`` (inference, training) or
+``Schedule1F1B`` (training)::
+
+    torchrun --nproc-per-node 2 examples/pipeline_torchrun.py
+
+Example:
+    >>> dist.init_process_group("gloo")
+    >>> pipe = autoopt.distributed.distributed_pipeline(model, (x,), microbatches=4)
+    >>> out = pipe.step(x)   # the model's output on the last rank, None elsewhere
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.fx import GraphModule, Node
+from torch.fx._pytree import tree_flatten_spec
+from torch.utils import _pytree as pytree
+
+from .capture import export_graph
+from .cost_model import CostModel
+from .errors import ConfigError
+from .passes.partition import Partition
+from .pipelining import (
+    device_specs,
+    emit_stages,
+    place_stage,
+    plan_stages,
+    split_microbatches,
+)
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+@dataclass
+class DistributedPipeline:
+    """This process's stage of a pipeline and the schedule that runs it.
+
+    Args:
+        stage: the ``PipelineStage`` this rank runs.
+        module: its ``GraphModule`` (parameters named as in the original model; give them to
+            this rank's optimizer).
+        schedule: the ``torch.distributed.pipelining`` schedule.
+        plan: the partition every rank shares.
+    """
+
+    stage: PipelineStage
+    module: GraphModule
+    schedule: Any
+    plan: Partition
+    in_spec: pytree.TreeSpec | None
+    out_spec: pytree.TreeSpec | None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage.is_last
+
+    def step(self, *args: Any, target: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        """Run one step over the microbatches: inputs on the first rank, ``target`` on the last
+        (training). Returns the merged output on the last rank (in the model's own structure),
+        None on the others."""
+        flat: list[Any] = []
+        if self.is_first:
+            flat = (list(tree_flatten_spec((tuple(args), dict(kwargs)), self.in_spec))
+                    if self.in_spec is not None else list(args))
+            flat = [x.to(self.stage.device) if isinstance(x, torch.Tensor) else x for x in flat]
+        out = self.schedule.step(*flat, **({"target": target} if target is not None else {}))
+        if not self.is_last or out is None:
+            return None
+        return _structured(out, self.out_spec)
+
+
+def distributed_pipeline(model: nn.Module, example_inputs: tuple[Any, ...],
+                         example_kwargs: Mapping[str, Any] | None = None, *,
+                         microbatches: int = 1, device: str | torch.device | None = None,
+                         training: bool = False, schedule: str = "gpipe",
+                         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+                         memory_bytes: int | None = None,
+                         group: dist.ProcessGroup | None = None) -> DistributedPipeline:
+    """Build this process's stage of ``model``'s pipeline (call on every rank, same model and
+    example shapes).
+
+    Args:
+        model: the model; every rank holds the same weights (same seed or checkpoint).
+        example_inputs, example_kwargs: a full batch (split into ``microbatches``).
+        microbatches: microbatches per step.
+        device: this rank's device (default: ``cuda:LOCAL_RANK`` with CUDA, else ``cpu``).
+        training: build for ``step(..., target=)`` with ``loss_fn``.
+        schedule: ``gpipe`` or ``1f1b``.
+        loss_fn: ``loss_fn(output, target)`` per microbatch, on the last rank; the output has
+            the model's own structure. Gradients are scaled by 1 / microbatches (as for a
+            mean-reduced loss).
+        memory_bytes: each device's memory cap for the partition.
+        group: the process group (default: the world).
+    """
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"schedule must be one of {sorted(SCHEDULES)}; got {schedule!r}")
+    if training and loss_fn is None:
+        raise ConfigError("training needs loss_fn(output, target) to start each backward")
+    if not dist.is_initialized():
+        raise ConfigError("torch.distributed is not initialised; start the script with torchrun "
+                          "and call dist.init_process_group() first.")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    target = torch.device(device) if device is not None else _default_device()
+    if target.type == "cuda":
+        torch.cuda.set_device(target)  # NCCL collectives run on the current device
+    kwargs = dict(example_kwargs or {})
+    micro = split_microbatches(pytree.tree_leaves((tuple(example_inputs), kwargs)),
+                               microbatches)[0]
+    micro_args, micro_kwargs = pytree.tree_unflatten(
+        micro, pytree.tree_structure((tuple(example_inputs), kwargs)))
+    with torch.enable_grad() if training else torch.no_grad():
+        gm = export_graph(model, micro_args, micro_kwargs)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    box: list[Any] = [None]
+    if rank == 0:  # one rank measures, so every rank cuts the same way
+        flat = pytree.tree_leaves((micro_args, micro_kwargs))
+        box[0] = plan_stages(gm, flat, device_specs([str(target)] * world, memory_bytes),
+                             cost_model=CostModel(_model_device(model)),
+                             microbatches=microbatches,
+                             training=training)
+        log.info("pipeline plan:\n%s", box[0].table())
+    dist.broadcast_object_list(box, src=0, group=group)
+    plan: Partition = box[0]
+    # A copy: moving it or training it leaves the caller's model as it was.
+    module = place_stage(_contiguous_outputs(copy.deepcopy(emit_stages(gm, plan)[rank])), target)
+    stage = PipelineStage(module, rank, world, target, group=group)
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    out_spec = info.out_spec if info else None
+    loss = None if loss_fn is None else functools.partial(_structured_loss, loss_fn, out_spec)
+    runner = SCHEDULES[schedule](stage, microbatches, loss_fn=loss)
+    return DistributedPipeline(stage, module, runner, plan, info.in_spec if info else None,
+                               out_spec)
+
+
+def _contiguous_outputs(stage: GraphModule) -> GraphModule:
+    """The stage with every output it sends made contiguous: point-to-point sends and
+    receives need dense buffers, and a cut may fall after a view (an expanded mask, a
+    transpose)."""
+    output = next(n for n in stage.graph.nodes if n.op == "output")
+    values = list(output.args[0])
+    for i, value in enumerate(values):
+        meta = value.meta.get("val") if isinstance(value, Node) else None
+        if isinstance(meta, torch.Tensor) and not meta.is_contiguous():
+            with stage.graph.inserting_before(output):
+                values[i] = stage.graph.call_function(
+                    torch.ops.aten.clone.default, (value,),
+                    {"memory_format": torch.contiguous_format})
+            values[i].meta["val"] = meta.contiguous()
+    output.args = (tuple(values),)
+    stage.recompile()
+    return stage
+
+
+def _structured_loss(loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+                     out_spec: pytree.TreeSpec | None, output: Any,
+                     labels: torch.Tensor) -> torch.Tensor:
+    return loss_fn(_structured(output, out_spec), labels)
+
+
+def _structured(output: Any, out_spec: pytree.TreeSpec | None) -> Any:
+    flat = list(output) if isinstance(output, (tuple, list)) else [output]
+    return pytree.tree_unflatten(flat, out_spec) if out_spec is not None else tuple(flat)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    """Where the costs are measured: where the model's weights are, as captured."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
