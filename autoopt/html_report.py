@@ -1,0 +1,562 @@
+"""One self-contained HTML file that shows what autoopt found and did, as charts.
+
+    data = collect(model, (x,), {}, optimized=fast)     # measures before/after, diagnoses
+    write_report("report.html", data)
+
+Sections: before/after latency, where step time goes (the diagnosis, with evidence and fixes),
+the per-op time breakdown before and after, utilization over time, what each pass changed,
+and, where the optimized module has them, the precision map, the stage partition with
+per-stage time and memory, and the memory plan ("not used" otherwise). Charts are matplotlib
+figures inlined as SVG; the file loads nothing from the network, so it opens anywhere.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import html
+import io
+import re
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .diagnose import CAUSES, Diagnosis, OpTime, Progress, diagnose
+from .report import Report
+from .state import preserved
+
+# One colour per cause and per bound, shared by every chart.
+_COLOURS = {"data": "#e4572e", "memory": "#4c72b0", "operators": "#f3a712",
+            "parallelism": "#8172b2", "useful compute": "#55a868", "other": "#bbbbbb",
+            "compute": "#55a868", "overhead": "#f3a712", "": "#999999",
+            "before": "#9aa5b1", "after": "#2a9d8f"}
+_TOP_OPS = 12
+
+
+@dataclass
+class ReportData:
+    """Everything the HTML report shows; any part may be missing.
+
+    Args:
+        title: the heading, usually the model's name.
+        device: where it ran.
+        latency_s: label -> median seconds per call (``eager``, ``autoopt``), measured
+            interleaved in one run.
+        before, after: diagnoses of the original and the optimized module.
+        optimized: the module ``optimize`` returned (its ``report`` lists the passes).
+        report: the optimize report, when no module is at hand.
+    """
+
+    title: str
+    device: str = "cpu"
+    threads: int = field(default_factory=torch.get_num_threads)
+    latency_s: dict[str, float] = field(default_factory=dict)
+    before: Diagnosis | None = None
+    after: Diagnosis | None = None
+    optimized: nn.Module | None = None
+    report: Report | None = None
+    created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc)
+                         .strftime("%Y-%m-%d %H:%M UTC"))
+
+
+def collect(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None,
+            *, optimized: nn.Module | None = None, training: bool = False, steps: int = 10,
+            repeats: int = 15, title: str | None = None, interval_s: float = 0.02,
+            progress: Progress | None = None, **options: Any) -> ReportData:
+    """Optimize ``model`` (unless ``optimized`` is given), diagnose both, time both.
+
+    Args:
+        model: the original module (not modified).
+        args, kwargs: example inputs.
+        optimized: the result of ``optimize``; made with ``options`` when None.
+        training: diagnose training steps (forward and backward).
+        steps: diagnosis steps for each module.
+        repeats: interleaved timed calls of each module for the latency chart.
+        title: the heading (default: the model's class name).
+        interval_s: seconds between utilization samples.
+        progress: wraps long loops, ``(iterable, description) -> iterable``.
+        **options: ``optimize`` options.
+    """
+    from .api import optimize
+
+    kwargs = dict(kwargs or {})
+    progress = progress or (lambda it, desc: it)
+    if optimized is None:
+        for _ in progress([0], "optimize (capture, passes, verification)"):
+            optimized = optimize(model, args, kwargs, training=training, **options)
+    device = next((t.device for t in _tensors((args, kwargs))), None)
+    before = diagnose(model, args, kwargs, training=training, steps=steps, device=device,
+                      interval_s=interval_s, progress=progress)
+    after = diagnose(optimized, args, kwargs, training=training, steps=steps, device=device,
+                     interval_s=interval_s, progress=progress)
+    # Timed on copies: a training-mode call updates BatchNorm statistics, and neither the
+    # user's model nor the returned module may change. One that cannot be copied runs in
+    # place and is restored.
+    in_place: list[nn.Module] = []
+    eager, fast = _copy_or_keep(model, in_place), _copy_or_keep(optimized, in_place)
+    if device is not None and eager is not model:
+        eager.to(device)
+    modes = [(m, m.training) for held in in_place for m in held.modules()]
+    try:
+        with preserved(*in_place):
+            eager.train(training)
+            fast.train(training)
+            latency = interleaved_latency({"eager": eager, "autoopt": fast}, args, kwargs,
+                                          repeats, training, progress)
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    return ReportData(title or type(model).__name__, before.device, latency_s=latency,
+                      before=before, after=after, optimized=optimized,
+                      report=getattr(optimized, "report", None))
+
+
+def _copy_or_keep(module: nn.Module, in_place: list[nn.Module]) -> nn.Module:
+    try:
+        return copy.deepcopy(module)
+    except Exception:  # noqa: BLE001 - e.g. a lock inside: time it in place, restore after
+        in_place.append(module)
+        return module
+
+
+def interleaved_latency(modules: Mapping[str, Callable[..., Any]], args: tuple[Any, ...],
+                        kwargs: Mapping[str, Any], repeats: int = 15, training: bool = False,
+                        progress: Progress | None = None) -> dict[str, float]:
+    """Median seconds per call of each module, called in turn so drift hits all alike."""
+    progress = progress or (lambda it, desc: it)
+    devices = {t.device for t in _tensors((args, kwargs))}
+    cuda = any(d.type == "cuda" for d in devices)
+    samples: dict[str, list[float]] = {name: [] for name in modules}
+    grad = torch.enable_grad() if training else torch.no_grad()
+    with grad:
+        for fn in modules.values():  # warm-up
+            fn(*args, **kwargs)
+        for _ in progress(range(repeats), "benchmark before/after"):
+            for name, fn in modules.items():
+                if cuda:
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                fn(*args, **kwargs)
+                if cuda:
+                    torch.cuda.synchronize()
+                samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def write_report(path: str | Path, data: ReportData) -> Path:
+    """Write the HTML report; returns its path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_html(data), encoding="utf-8")
+    return path
+
+
+def render_html(data: ReportData) -> str:
+    """The whole report as one HTML document (inline CSS and SVG, no scripts, no links)."""
+    sections = [_summary(data), _latency_section(data), _diagnosis_section(data),
+                _ops_section(data), _utilization_section(data), _passes_section(data)]
+    sections += [_feature_section(title, value) for title, value in _features(data)]
+    body = "\n".join(s for s in sections if s)
+    return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>autoopt report: {_e(data.title)}</title><style>{_CSS}</style></head>"
+            f"<body><h1>autoopt report: {_e(data.title)}</h1>"
+            f"<p class=\"meta\">{_e(data.device)}, {data.threads} thread(s), {_e(data.created)}"
+            f"</p>{body}</body></html>\n")
+
+
+# --- sections ------------------------------------------------------------------------------
+
+def _summary(data: ReportData) -> str:
+    cards = []
+    if data.latency_s:
+        for name, seconds in data.latency_s.items():
+            cards.append((name, f"{seconds * 1e3:.3f} ms"))
+        values = list(data.latency_s.values())
+        if len(values) == 2 and values[1] > 0:
+            cards.append(("speed-up", f"{values[0] / values[1]:.2f}×"))
+    if data.before is not None:
+        top = data.before.top
+        cards.append(("top cause", f"{top.cause} ({top.share:.0%})" if top is not None
+                      and top.share >= 0.1 else "none above 10%: compute-bound"))
+    if not cards:
+        return ""
+    inner = "".join(f"<div class=\"card\"><div class=\"k\">{_e(k)}</div>"
+                    f"<div class=\"v\">{_e(v)}</div></div>" for k, v in cards)
+    return f"<div class=\"cards\">{inner}</div>"
+
+
+def _latency_section(data: ReportData) -> str:
+    if not data.latency_s:
+        return _section("Before / after latency", "<p class=\"none\">not measured</p>")
+    names = list(data.latency_s)
+    ms = [data.latency_s[n] * 1e3 for n in names]
+    fig, ax = _figure(6.5, 0.6 + 0.5 * len(names))
+    bars = ax.barh(names, ms, color=[_COLOURS["before"], _COLOURS["after"]][:len(names)]
+                   + [_COLOURS["after"]] * max(0, len(names) - 2))
+    ax.bar_label(bars, labels=[f"{v:.3f} ms" for v in ms], padding=3, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("median latency per call (ms), interleaved runs")
+    ax.set_xlim(0, max(ms) * 1.25)
+    return _section("Before / after latency", _svg(fig))
+
+
+def _diagnosis_section(data: ReportData) -> str:
+    rows = [(label, d) for label, d in (("before", data.before), ("after", data.after)) if d]
+    if not rows:
+        return _section("Diagnosis", "<p class=\"none\">not run</p>")
+    keys = list(CAUSES) + ["useful compute", "other"]
+    fig, ax = _figure(7.5, 0.9 + 0.55 * len(rows))
+    for i, (_, d) in enumerate(rows):
+        left = 0.0
+        for key in keys:
+            share = d.shares.get(key, 0.0) * d.step.total_s * 1e3
+            ax.barh(i, share, left=left, color=_COLOURS[key],
+                    label=key if i == 0 else None)
+            left += share
+    ax.set_yticks(range(len(rows)), [f"{label}\n{d.step.total_s * 1e3:.2f} ms/step"
+                                     for label, d in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("step time (ms) by cause")
+    ax.legend(ncol=3, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35 if
+              len(rows) > 1 else -0.6), frameon=False)
+    parts = [_svg(fig)]
+    for label, d in rows:
+        parts.append(f"<h3>{_e(label)}: {_e(_step_line(d))}</h3>")
+        if not d.findings:
+            parts.append("<p>no cause above 1% of step time</p>")
+        for f in d.findings:
+            evidence = "".join(f"<li><b>{_e(k)}</b>: {_e(v)}</li>" for k, v in f.evidence)
+            fixes = "".join(f"<li><b>{_e(r.option)}</b>: <code>{_e(r.how)}</code></li>"
+                            for r in f.remedies)
+            parts.append(f"<div class=\"finding\" style=\"border-color:{_COLOURS[f.cause]}\">"
+                         f"<div class=\"ft\">{f.share:.1%} &nbsp; <b>{_e(f.cause)}</b>: "
+                         f"{_e(f.title)}</div><ul>{evidence}</ul><div class=\"fix\">fixes:"
+                         f"</div><ul>{fixes}</ul></div>")
+        for note in d.notes:
+            parts.append(f"<p class=\"note\">note: {_e(note)}</p>")
+    return _section("Diagnosis: where step time goes", "".join(parts))
+
+
+def _ops_section(data: ReportData) -> str:
+    rows = [(label, d.ops) for label, d in (("before", data.before), ("after", data.after))
+            if d is not None and d.ops]
+    if not rows:
+        return _section("Per-op time", "<p class=\"none\">not profiled</p>")
+    parts = []
+    for label, ops in rows:
+        top = ops[:_TOP_OPS]
+        fig, ax = _figure(7.5, 0.6 + 0.28 * len(top))
+        names = [f"{o.name.removeprefix('aten::')} ×{o.calls:g}" for o in top]
+        values = [o.seconds * 1e3 for o in top]
+        ax.barh(names, values, color=[_COLOURS.get(o.bound, _COLOURS[""]) for o in top])
+        ax.invert_yaxis()
+        ax.set_xlabel(f"{label}: ms per step (torch.profiler)")
+        ax.tick_params(axis="y", labelsize=7)
+        parts.append(f"<h3>{_e(label)}</h3>" + _svg(fig) + _ops_table(top, ops))
+    legend = ("<p class=\"note\">Colour: what limits the op in the cost model's roofline: "
+              "<b style=\"color:#55a868\">compute</b>, <b style=\"color:#4c72b0\">memory</b>, "
+              "<b style=\"color:#f3a712\">launch/dispatch overhead</b>, grey: not in the "
+              "graph.</p>")
+    return _section("Per-op time breakdown", legend + "".join(parts))
+
+
+def _ops_table(top: Sequence[OpTime], ops: Sequence[OpTime]) -> str:
+    total = sum(o.seconds for o in ops) or 1.0
+    rows = "".join(f"<tr><td>{_e(o.name)}</td><td>{o.calls:g}</td><td>{o.seconds * 1e3:.3f}"
+                   f"</td><td>{o.seconds / total:.1%}</td><td>{_e(o.bound or '-')}</td></tr>"
+                   for o in top)
+    return ("<details><summary>table</summary><table><tr><th>op</th><th>calls/step</th>"
+            f"<th>ms/step</th><th>share</th><th>bound</th></tr>{rows}</table></details>")
+
+
+def _utilization_section(data: ReportData) -> str:
+    rows = [(label, d.utilization) for label, d in (("before", data.before),
+                                                    ("after", data.after)) if d is not None]
+    if not rows or not any(u.samples for _, u in rows):
+        return ""
+    fig, ax = _figure(7.5, 2.4)
+    for label, u in rows:
+        t = [s.t for s in u.samples]
+        style = "-" if label == "before" else "--"
+        style += "o" if len(t) < 20 else ""  # a short run's few samples stay visible
+        ax.plot(t, [s.process_cpu_percent for s in u.samples], style,
+                color=_COLOURS["memory"], label=f"{label}: this process, % of all cores")
+        ax.plot(t, [s.cpu_percent for s in u.samples], style, color=_COLOURS["other"],
+                label=f"{label}: whole machine CPU %")
+        if u.has_gpu:
+            ax.plot(t, [s.gpu_percent or 0 for s in u.samples], style,
+                    color=_COLOURS["useful compute"], label=f"{label}: GPU SM %")
+            ax.plot(t, [s.gpu_memory_bandwidth_percent or 0 for s in u.samples], style,
+                    color=_COLOURS["operators"], label=f"{label}: GPU memory bandwidth %")
+    ax.set_ylim(0, 105)
+    ax.set_xlabel("seconds into the timed steps")
+    ax.set_ylabel("%")
+    ax.legend(fontsize=7, frameon=False)
+    notes = "".join(f"<p>{_e(label)}: {_e(u.summary())}</p>" for label, u in rows)
+    return _section("Utilization over time", _svg(fig) + notes)
+
+
+def _passes_section(data: ReportData) -> str:
+    report = data.report or getattr(data.optimized, "report", None)
+    if report is None or not report.captures:
+        return _section("What each pass changed", "<p class=\"none\">not optimized</p>")
+    rows, counts = [], {}
+    for i, c in enumerate(report.captures):
+        rows.append(f"<tr class=\"cap\"><td colspan=\"5\">[{i}] {_e(c.inputs)}: captured by "
+                    f"{_e(c.method)}, nodes {c.nodes_before} → {c.nodes_after}, "
+                    f"{_e(str(c.verification) if c.verification else 'not verified')}</td></tr>")
+        for r in c.passes:
+            changed = ", ".join(f"{k}={v}" for k, v in sorted(r.counts.items()))
+            rows.append(f"<tr><td>{_e(r.name)}</td><td class=\"{_e(r.status)}\">"
+                        f"{_e(r.status)}</td><td>{_e(changed)}</td><td>{r.seconds * 1e3:.1f}"
+                        f"</td><td>{_e(r.reason)}</td></tr>")
+            if r.status == "applied":
+                counts[r.name] = counts.get(r.name, 0) + sum(r.counts.values())
+    chart = ""
+    if counts:
+        fig, ax = _figure(6.5, 0.6 + 0.35 * len(counts))
+        bars = ax.barh(list(counts), list(counts.values()), color=_COLOURS["after"])
+        ax.bar_label(bars, padding=3, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("rewrites per pass (applied)")
+        chart = _svg(fig)
+    table = ("<table><tr><th>pass</th><th>status</th><th>changes</th><th>ms</th>"
+             f"<th>why</th></tr>{''.join(rows)}</table>")
+    return _section("What each pass changed", chart + table)
+
+
+def _features(data: ReportData) -> list[tuple[str, Any]]:
+    """The precision map, stage partition and memory plan, wherever the optimized module or
+    its report keeps them (None: the feature was not used)."""
+    holders: list[Any] = [data.report, data.optimized]
+    report = data.report or getattr(data.optimized, "report", None)
+    holders += list(getattr(report, "captures", []) or [])
+    for spec in getattr(data.optimized, "_specializations", []) or []:
+        holders.append(getattr(getattr(spec, "run", None), "meta", None))
+    found = []
+    for title, names in (("Precision map", ("precision_map", "precision")),
+                         ("Stage partition", ("partition", "plan", "stages")),
+                         ("Memory plan", ("memory_plan",))):
+        found.append((title, _first(holders, names)))
+    return found
+
+
+def _first(holders: Iterable[Any], names: Sequence[str]) -> Any:
+    for holder in holders:
+        if holder is None:
+            continue
+        for name in names:
+            value = holder.get(name) if isinstance(holder, Mapping) else \
+                getattr(holder, name, None)
+            if value is not None and not callable(value) and not isinstance(value, nn.Module):
+                return value
+    return None
+
+
+def _feature_section(title: str, value: Any) -> str:
+    if value is None:
+        return _section(title, "<p class=\"none\">not used</p>")
+    parts = []
+    items = getattr(value, "stages", None) or getattr(value, "segments", None)
+    if isinstance(value, Mapping):
+        parts.append(_mapping_chart(value))
+        parts.append(_table([(str(k), str(v)) for k, v in value.items()], ("name", "value")))
+    elif isinstance(items, Sequence) and items:
+        parts.append(_items_charts(items, "stage" if getattr(value, "stages", None) else
+                                   "segment"))
+    if hasattr(value, "low_ops") and hasattr(value, "kept"):  # a precision summary
+        parts.append(_counts_chart({f"ops in {getattr(value, 'precision', 'low precision')}":
+                                    int(value.low_ops), "kept in fp32": len(value.kept)}))
+    text = _text_of(value)
+    if text is not None:
+        parts.append(f"<pre>{_e(text)}</pre>")
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        scalars = [(f.name, str(getattr(value, f.name))) for f in dataclasses.fields(value)
+                   if isinstance(getattr(value, f.name), (int, float, str, bool))]
+        parts.append(_table(scalars, ("field", "value")))
+    elif not parts:
+        parts.append(f"<pre>{_e(str(value))}</pre>")
+    return _section(title, "".join(parts))
+
+
+def _text_of(value: Any) -> str | None:
+    """The feature's own text form: ``table()``, ``describe()`` or ``lines()``."""
+    for name in ("table", "describe", "lines"):
+        method = getattr(value, name, None)
+        if callable(method):
+            try:
+                text = method()
+            except TypeError:
+                continue
+            return "\n".join(text) if isinstance(text, (list, tuple)) else str(text)
+    return None
+
+
+def _mapping_chart(value: Mapping[Any, Any]) -> str:
+    """Counts per distinct value (e.g. nodes per dtype in a precision map)."""
+    counts: dict[str, int] = {}
+    for v in value.values():
+        counts[str(v)] = counts.get(str(v), 0) + 1
+    return _counts_chart(counts)
+
+
+def _counts_chart(counts: Mapping[str, int]) -> str:
+    if not counts or len(counts) > 20:
+        return ""
+    fig, ax = _figure(6.0, 0.6 + 0.35 * len(counts))
+    bars = ax.barh(list(counts), list(counts.values()), color=_COLOURS["memory"])
+    ax.bar_label(bars, padding=3, fontsize=8)
+    ax.set_xlabel("entries per value")
+    return _svg(fig)
+
+
+def _items_charts(items: Sequence[Any], noun: str) -> str:
+    """Per stage/segment: its ``*_s`` fields as stacked time bars, its ``*bytes`` fields as
+    stacked memory bars."""
+    def numeric(item: Any, test: Callable[[str], bool]) -> dict[str, float]:
+        names = [f.name for f in dataclasses.fields(item)] if dataclasses.is_dataclass(item) \
+            else []
+        names += [n for n in dir(type(item))  # properties such as ``saved_bytes``
+                  if not n.startswith("_") and isinstance(getattr(type(item), n), property)]
+        values = {n: getattr(item, n) for n in names if test(n)}
+        return {n: float(v) for n, v in values.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+    charts = []
+    labels = [f"{getattr(it, 'index', i)}" + (f" {it.device}" if hasattr(it, "device") else "")
+              for i, it in enumerate(items)]
+    for unit, scale, test in (("ms", 1e3, lambda n: n.endswith("_s")),
+                              ("MiB", 1 / 2**20, lambda n: "bytes" in n)):
+        rows = [numeric(it, test) for it in items]
+        keys = sorted({k for r in rows for k in r})
+        if not keys:
+            continue
+        fig, ax = _figure(7.0, 0.8 + 0.35 * len(items))
+        left = [0.0] * len(items)
+        palette = ["#4c72b0", "#e4572e", "#55a868", "#f3a712", "#8172b2"]
+        for j, key in enumerate(keys):
+            widths = [r.get(key, 0.0) * scale for r in rows]
+            ax.barh(labels, widths, left=left, label=key, color=palette[j % len(palette)])
+            left = [a + b for a, b in zip(left, widths, strict=True)]
+        ax.invert_yaxis()
+        ax.set_xlabel(f"{unit} per {noun}")
+        ax.legend(fontsize=7, frameon=False)
+        charts.append(_svg(fig))
+    return "".join(charts)
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+def _step_line(d: Diagnosis) -> str:
+    s = d.step
+    return (f"{s.total_s * 1e3:.2f} ms/step (data {s.data_s * 1e3:.2f}, transfer "
+            f"{s.transfer_s * 1e3:.2f}, compute {s.compute_s * 1e3:.2f} ms), batch "
+            f"{d.batch_size or '?'}, {'training' if d.training else 'inference'}")
+
+
+def _figure(width: float, height: float) -> tuple[Any, Any]:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    ax = fig.add_subplot()
+    ax.spines[["top", "right"]].set_visible(False)
+    return fig, ax
+
+
+def _svg(fig: Any) -> str:
+    """The figure as inline SVG: text kept as text, and without the XML prologue, DOCTYPE,
+    metadata and namespace declarations (HTML knows <svg>), so the file names no URL."""
+    import matplotlib
+    from matplotlib.backends.backend_svg import FigureCanvasSVG
+
+    buffer = io.StringIO()
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "autoopt"}):
+        FigureCanvasSVG(fig).print_svg(buffer, metadata={"Date": None})
+    text = buffer.getvalue()
+    text = text[text.index("<svg"):]
+    text = re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.S)
+    text = re.sub(r'\s+xmlns(:\w+)?="[^"]*"', "", text)
+    return f"<div class=\"chart\">{text}</div>"
+
+
+def _section(title: str, inner: str) -> str:
+    return f"<section><h2>{_e(title)}</h2>{inner}</section>"
+
+
+def _table(rows: Sequence[tuple[str, str]], header: tuple[str, str]) -> str:
+    body = "".join(f"<tr><td>{_e(a)}</td><td>{_e(b)}</td></tr>" for a, b in rows)
+    return f"<table><tr><th>{_e(header[0])}</th><th>{_e(header[1])}</th></tr>{body}</table>"
+
+
+def _e(text: Any) -> str:
+    return html.escape(str(text))
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    from torch.utils import _pytree as pytree
+
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;
+max-width:1100px;color:#222;padding:0 16px}
+h1{font-size:24px;margin-bottom:2px}h2{font-size:19px;border-bottom:2px solid #eee;
+padding-bottom:4px;margin-top:28px}h3{font-size:15px;margin:14px 0 6px}
+.meta{color:#777;margin-top:0}.cards{display:flex;gap:12px;flex-wrap:wrap;margin:16px 0}
+.card{background:#f6f8fa;border-radius:8px;padding:10px 16px;min-width:130px}
+.card .k{font-size:12px;color:#666}.card .v{font-size:20px;font-weight:600}
+.chart svg{max-width:100%;height:auto}
+table{border-collapse:collapse;font-size:13px;margin:8px 0}
+td,th{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
+th{background:#f6f8fa}tr.cap td{background:#eef4fb;font-weight:600}
+td.applied{color:#1a7f37}td.rolled_back,td.failed{color:#cf222e}td.unchanged{color:#777}
+.finding{border-left:5px solid;padding:6px 12px;margin:8px 0;background:#fafafa}
+.finding ul{margin:4px 0 4px 18px;padding:0;font-size:13px}.ft{font-size:14px}
+.fix{font-size:12px;color:#555}.none{color:#888;font-style:italic}.note{color:#666;
+font-size:12px}pre{background:#f6f8fa;padding:8px;font-size:12px;overflow-x:auto}
+code{font-size:12px}
+"""
+
+
+def report_command(args: Any) -> int:
+    """``autoopt report MODEL --input ... -o report.html``."""
+    from .diagnose import console_progress
+    from .errors import InputError
+    from .loading import load_model, model_inputs
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not args.input:
+        raise InputError("autoopt report needs --input SHAPE (repeatable), e.g. "
+                         "--input 1x3x224x224")
+    model = load_model(args.model)
+    if not args.model.endswith(".pt2"):
+        model.train(args.training)
+    inputs, kwargs = model_inputs(args.input, args.dtype, args.int_high)
+    if args.device:
+        inputs, kwargs = _to(inputs, torch.device(args.device)), _to(kwargs,
+                                                                      torch.device(args.device))
+    data = collect(model, inputs, kwargs, training=args.training, steps=args.steps,
+                   title=args.title or args.model, progress=console_progress,
+                   disable=tuple(args.disable), device=args.device)
+    path = write_report(args.output, data)
+    print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
+    for name, seconds in data.latency_s.items():
+        print(f"{name}: {seconds * 1e3:.3f} ms")
+    if data.before is not None and data.before.top is not None:
+        print(f"top cause: {data.before.top.cause} ({data.before.top.share:.0%} of step time)")
+    return 0
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), value)

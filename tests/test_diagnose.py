@@ -1,0 +1,227 @@
+"""``autoopt.diagnose`` and the utilization sampler, from real runs (no mocks)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from checks import assert_bit_identical, snapshot
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import autoopt
+from autoopt.errors import ConfigError, InputError, ModelError
+from autoopt.sampler import UtilizationSampler
+
+
+class _SlowImages(Dataset):
+    """A dataset that takes 5 ms per image: a deliberately input-bound pipeline."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        time.sleep(0.005)
+        return torch.randn(3, 32, 32), i % 10
+
+
+class _SmallConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                  nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+class _ManySmallOps(nn.Module):
+    """Batch 1, width 16, 8 residual blocks of five tiny ops each: dispatch dominates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) * 0.5 + x
+            x = x - x.mean()
+        return x
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_slow_dataloader_is_diagnosed_as_data_loading() -> None:
+    model = _SmallConvNet().eval()
+    before = snapshot(model)
+    loader = DataLoader(_SlowImages(), batch_size=4)
+    diagnosis = autoopt.diagnose(model, loader, steps=4, warmup=1)
+    top = diagnosis.top
+    assert top is not None and top.cause == "data"
+    assert top.share > 0.5
+    assert diagnosis.step.data_s > 10 * diagnosis.step.compute_s
+    assert any(r.option == "prefetch" for r in top.remedies)
+    assert "waiting for the next batch" in dict(top.evidence)
+    assert diagnosis.batch_size == 4
+    assert "data: input pipeline stalls" in str(diagnosis)
+    assert_bit_identical(model, before)  # ran on a copy
+
+
+def test_prefetch_fixes_the_data_stall_when_applied_in_training() -> None:
+    loader = DataLoader(_SlowImages(), batch_size=4)
+    diagnosis = autoopt.diagnose(_SmallConvNet(), loader, training=True, steps=3, warmup=1,
+                                 roofline=False,
+                                 loss_fn=lambda out, batch: nn.functional.cross_entropy(
+                                     out, batch[1]))
+    assert diagnosis.top is not None and diagnosis.top.cause == "data"
+    result = diagnosis.apply(steps=3)
+    assert "prefetch" in result.applied and "fusion" in result.applied
+    assert result.after.training
+    assert "step time:" in str(result)
+
+
+def test_batch_one_many_small_ops_is_diagnosed_as_operator_overhead() -> None:
+    model = _ManySmallOps().eval()
+    x = torch.randn(1, 16)
+    diagnosis = autoopt.diagnose(model, x, steps=20)
+    top = diagnosis.top
+    assert top is not None and top.cause == "operators", str(diagnosis)
+    assert diagnosis.step.data_s < diagnosis.step.compute_s
+    evidence = dict(top.evidence)
+    assert "ops per step" in evidence and "launch/overhead-bound ops" in evidence
+    assert {r.option for r in top.remedies} >= {"fusion", "batch_size"}
+    assert diagnosis.ops and diagnosis.ops[0].seconds > 0  # the profiler's per-op breakdown
+    assert diagnosis.batch_size == 1
+
+
+def test_apply_optimizes_and_keeps_the_function() -> None:
+    model = _ManySmallOps().eval()
+    x = torch.randn(1, 16)
+    result = autoopt.diagnose(model, x, steps=5).apply()
+    assert result.after.step.total_s > 0 and result.speedup > 0
+    with torch.no_grad():
+        torch.testing.assert_close(result.optimized(x), model(x))
+
+
+def test_a_model_that_cannot_be_copied_runs_in_place_and_is_restored() -> None:
+    import threading
+
+    model = _SmallConvNet().eval()
+    model.lock = threading.Lock()  # deepcopy fails on a lock
+    before = snapshot(model)
+    x = torch.randn(2, 3, 32, 32)
+    diagnosis = autoopt.diagnose(model, x, training=True, steps=2, roofline=False)
+    assert diagnosis.step.compute_s > 0
+    assert_bit_identical(model, before)  # BatchNorm statistics put back
+    assert not model.training and all(p.grad is None for p in model.parameters())
+
+
+def test_keyword_inputs_and_a_model_torch_export_cannot_capture() -> None:
+    class Branchy(nn.Module):
+        def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            if x.sum() > 0:  # data-dependent control flow: no whole graph, no roofline
+                return x * scale
+            return x - scale
+
+    diagnosis = autoopt.diagnose(Branchy(), (torch.randn(2, 4),), {"scale": torch.ones(4)},
+                                 steps=3)
+    assert any("no whole graph" in n for n in diagnosis.notes)
+    assert diagnosis.cost is None
+
+
+def test_sampler_reports_cpu_only_without_an_nvidia_gpu() -> None:
+    with UtilizationSampler(interval_s=0.01) as sampler:
+        end = time.perf_counter() + 0.1
+        while time.perf_counter() < end:
+            torch.randn(64, 64) @ torch.randn(64, 64)
+    result = sampler.result
+    assert len(result.samples) >= 3
+    assert all(0 <= s.cpu_percent <= 100 for s in result.samples)
+    assert result.mean("process_cpu_percent") > 0  # the loop above kept this process busy
+    if not result.has_gpu:
+        assert result.note.startswith("CPU figures only")
+        assert all(s.gpu_percent is None for s in result.samples)
+        assert "CPU figures only" in result.summary()
+
+
+def test_bad_arguments_name_what_to_do() -> None:
+    with pytest.raises(ModelError, match="diagnose expects a torch.nn.Module; got function"):
+        autoopt.diagnose(lambda x: x, torch.randn(1))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="steps must be an integer >= 1; got 0"):
+        autoopt.diagnose(nn.Linear(2, 2), torch.randn(1, 2), steps=0)
+    with pytest.raises(InputError, match="example inputs .* or an iterable of batches"):
+        autoopt.diagnose(nn.Linear(2, 2), 3)
+    with pytest.raises(InputError, match="example_kwargs go with example inputs"):
+        autoopt.diagnose(nn.Linear(2, 2), [torch.randn(1, 2)], {"x": torch.randn(1, 2)})
+    with pytest.raises(InputError, match="DataLoader yielded no batches"):
+        autoopt.diagnose(nn.Linear(2, 2), [], steps=1)
+    with pytest.raises(ConfigError, match="interval_s must be a number of seconds >= 0.001"):
+        UtilizationSampler(interval_s=0)
+    with pytest.raises(ConfigError, match="warmup and profile_steps must be integers >= 0"):
+        autoopt.diagnose(nn.Linear(2, 2), torch.randn(1, 2), warmup=-1)
+    with pytest.raises(ModelError, match="no floating tensor that requires grad; pass loss_fn"):
+        autoopt.diagnose(nn.Flatten(), torch.randn(1, 2), training=True)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA GPU is available; use device='cpu'"):
+            autoopt.diagnose(nn.Linear(2, 2), torch.randn(1, 2), device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_sampler_reads_nvml_while_training() -> None:
+    model = _SmallConvNet().cuda()
+    loader = DataLoader(_SlowImages(), batch_size=4)
+    diagnosis = autoopt.diagnose(model, loader, training=True, steps=3, device="cuda",
+                                 roofline=False)
+    assert diagnosis.utilization.has_gpu, diagnosis.utilization.note
+    assert diagnosis.utilization.mean("gpu_memory_used") > 0
+    assert diagnosis.top is not None and diagnosis.top.cause == "data"
+
+
+_LOADER_FILE = '''
+import time, torch
+from torch.utils.data import DataLoader, Dataset
+
+class Slow(Dataset):
+    def __len__(self):
+        return 16
+    def __getitem__(self, i):
+        time.sleep(0.05)  # 200 ms a batch: well above resnet18's compute even on a busy CPU
+        return torch.randn(3, 32, 32), i % 10
+
+def make_loader():
+    return DataLoader(Slow(), batch_size=4)
+'''
+
+
+@pytest.mark.slow
+def test_cli_names_data_loading_for_a_slow_loader(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from autoopt.cli import main
+
+    source = tmp_path / "slow.py"
+    source.write_text(_LOADER_FILE)
+    code = main(["diagnose", "torchvision.models:resnet18", "--loader",
+                 f"{source}:make_loader", "--steps", "3", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    findings = [line for line in out.splitlines() if "%  " in line]
+    assert findings and "data: input pipeline stalls" in findings[0], out
+
+
+def test_cli_errors_say_what_to_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    from autoopt.cli import main
+
+    assert main(["diagnose", "torchvision.models:resnet18"]) == 2
+    assert "needs --input SHAPE (repeatable) or --loader" in capsys.readouterr().err
+    assert main(["diagnose", "torchvision.models:resnet18", "--loader", "nowhere.py:f"]) == 2
+    assert "no such Python file 'nowhere.py'" in capsys.readouterr().err
+    assert main(["diagnose", "torchvision.models:resnet18", "--loader", "math:pi"]) == 2
+    assert "gave float, not an iterable of batches" in capsys.readouterr().err

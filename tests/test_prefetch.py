@@ -1,0 +1,139 @@
+"""``autoopt.data.prefetch``: order, completeness, early stop, loader failure, devices."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from autoopt.data import prefetch
+from autoopt.errors import ConfigError, DeviceError
+
+
+class _Numbered(Dataset):
+    """Item i is (a tensor filled with i, i, {"id": i}); optionally slow or failing at one."""
+
+    def __init__(self, n: int, delay_s: float = 0.0, fail_at: int | None = None) -> None:
+        self.n, self.delay_s, self.fail_at = n, delay_s, fail_at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int, dict[str, int]]:
+        if i == self.fail_at:
+            raise RuntimeError(f"item {i} is corrupt")
+        time.sleep(self.delay_s)
+        return torch.full((3,), float(i)), i, {"id": i}
+
+
+def test_order_and_completeness_match_the_loader() -> None:
+    loader = DataLoader(_Numbered(23), batch_size=4)
+    expected = list(loader)
+    it = iter(prefetch(loader, "cpu", depth=3))
+    got = list(it)
+    assert len(got) == len(expected) == 6
+    for (x, y, meta), (ex, ey, emeta) in zip(got, expected, strict=True):
+        torch.testing.assert_close(x, ex)
+        assert y.tolist() == ey.tolist()
+        assert meta["id"].tolist() == emeta["id"].tolist()
+    ids = [i for _, y, _ in got for i in y.tolist()]
+    assert ids == list(range(23))  # none lost, none repeated, in order
+    assert not it.thread.is_alive()
+
+
+def test_each_iteration_is_a_new_pass() -> None:
+    batches = prefetch(DataLoader(TensorDataset(torch.arange(10.0)), batch_size=5), depth=1)
+    first = [b[0].tolist() for b in batches]
+    second = [b[0].tolist() for b in batches]
+    assert first == second == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    assert len(batches) == 2
+
+
+@pytest.mark.parametrize("depth", [1, 4])
+def test_early_stop_ends_the_thread(depth: int) -> None:
+    loader = DataLoader(_Numbered(1000, delay_s=0.001), batch_size=2)
+    it = iter(prefetch(loader, "cpu", depth=depth))
+    seen = [next(it)[1].tolist() for _ in range(3)]
+    assert seen == [[0, 1], [2, 3], [4, 5]]
+    start = time.perf_counter()
+    it.close()
+    assert time.perf_counter() - start < 5.0
+    assert not it.thread.is_alive()
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_break_out_of_a_for_loop_with_the_context_manager() -> None:
+    loader = DataLoader(_Numbered(1000, delay_s=0.001), batch_size=2)
+    with iter(prefetch(loader, depth=2)) as it:
+        for i, _ in enumerate(it):
+            if i == 2:
+                break
+    assert not it.thread.is_alive()
+
+
+def test_closing_the_prefetcher_stops_its_passes() -> None:
+    batches = prefetch(DataLoader(_Numbered(1000, delay_s=0.001), batch_size=2), depth=2)
+    it = iter(batches)
+    next(it)
+    batches.close()
+    assert it.closed and not it.thread.is_alive()
+
+
+def test_loader_error_is_raised_in_the_consumer_after_the_good_batches() -> None:
+    loader = DataLoader(_Numbered(20, fail_at=9), batch_size=4)
+    got = []
+    it = iter(prefetch(loader, "cpu", depth=2))
+    with pytest.raises(RuntimeError, match="item 9 is corrupt"):
+        for _, y, _ in it:
+            got.extend(y.tolist())
+    assert got == list(range(8))  # the two batches before the failing one, in order
+    assert not it.thread.is_alive()
+
+
+def test_a_generator_source_is_closed_when_the_consumer_stops() -> None:
+    finished = threading.Event()
+
+    def source():
+        try:
+            for i in range(10_000):
+                yield torch.tensor([i])
+        finally:
+            finished.set()
+
+    class Loader:
+        def __iter__(self):
+            return source()
+
+    it = iter(prefetch(Loader(), depth=2))
+    assert next(it).item() == 0
+    it.close()
+    assert finished.wait(5.0)
+
+
+def test_bad_arguments_name_what_to_do() -> None:
+    with pytest.raises(ConfigError, match="depth must be an integer >= 1; got 0"):
+        prefetch([], depth=0)
+    with pytest.raises(ConfigError, match="needs an iterable of batches"):
+        prefetch(3)  # type: ignore[arg-type]
+    with pytest.raises(DeviceError, match="is not a device name"):
+        prefetch([], device="gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(DeviceError, match="no CUDA GPU is available; use device='cpu'"):
+            prefetch([], device="cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_batches_arrive_on_the_device_in_order() -> None:
+    loader = DataLoader(_Numbered(64), batch_size=8)
+    expected = list(loader)
+    got = list(prefetch(loader, "cuda", depth=3))
+    assert len(got) == len(expected)
+    for (x, y, _), (ex, ey, _) in zip(got, expected, strict=True):
+        assert x.is_cuda and y.is_cuda
+        # Read on the consumer's stream right away: the copy must have finished before it.
+        torch.testing.assert_close(x.cpu(), ex)
+        assert y.cpu().tolist() == ey.tolist()
