@@ -4,11 +4,14 @@
     print(fast.report)                                # what was captured and rewritten
 """
 
+from . import data  # autoopt.data.prefetch: asynchronous batch loading
 from .api import OptimizedModule, optimize
 from .backend import autoopt_backend
 from .config import OptimizeConfig
+from .diagnose import Diagnosis, diagnose
 from .errors import AutoOptError, ConfigError, DeviceError, InputError, ModelError, ModelSpecError
 from .onnx import OnnxReport, OnnxSession, OnnxVerificationError, export_onnx, onnx_session
+from .pipelining import Pipeline  # optimize(..., devices=[...]) returns one
 from .report import CaptureRecord, PassRecord, Report
 from .verify import Tolerance, VerifyResult
 
@@ -20,3 +23,5 @@ __all__ = [
     "OptimizedModule", "PassRecord", "Report", "Tolerance", "VerifyResult", "autoopt_backend",
     "export_onnx", "onnx_session", "optimize",
 ]
+__all__ += ["Diagnosis", "data", "diagnose"]  # diagnosis and asynchronous loading
+__all__ += ["Pipeline"]  # pipeline stages across devices (autoopt.pipelining, .distributed)

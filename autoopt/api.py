@@ -18,10 +18,12 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from . import capture as capture_lib
+from . import memory as memory_lib
+from . import precision as precision_lib
 from .backend import autoopt_backend
 from .config import OptimizeConfig
 from .cost_model import CostModel
-from .errors import DeviceError, InputError, ModelError
+from .errors import ConfigError, DeviceError, InputError, ModelError
 from .guards import InputSignature, current_modes, signature_of
 from .passes import PassContext
 from .pipeline import run_pipeline
@@ -54,6 +56,8 @@ def optimize(model: nn.Module, example_inputs: Any = (), example_kwargs: Mapping
             parameters into constants; a later call with gradients enabled is captured anew,
             with every parameter's gradient kept.
         **options: ``OptimizeConfig`` fields, e.g. ``verify=False``, ``disable=["dead_code"]``.
+            With ``devices=[...]`` (and ``microbatches=``) the result is instead an
+            ``autoopt.pipelining.Pipeline``: one stage per device, run over microbatches.
 
     Example:
         >>> fast = autoopt.optimize(torchvision.models.resnet18().eval(), (x,))
@@ -74,10 +78,28 @@ def optimize(model: nn.Module, example_inputs: Any = (), example_kwargs: Mapping
         private.to(target)
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(target), (args, kwargs))
     _check_devices_and_dtypes(private, args, kwargs)
+    # precision=: reject what cannot work on this device; skip casts that would be slower.
+    cfg, precision_notes = precision_lib.check_target(
+        cfg, _model_device(private), model.training if training is None else training)
     optimized = OptimizedModule(private, cfg, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
+    optimized.report.warnings.extend(precision_notes)
     training = model.training if training is None else training
+    if cfg.memory_budget is not None and not training:
+        raise ConfigError("memory_budget limits the activations saved for a training step; "
+                          "pass training=True (or a model in train mode), or drop "
+                          "memory_budget for inference.")
+    if cfg.devices is not None:  # a pipeline of one stage per device (autoopt.pipelining)
+        from .pipelining import pipeline_module
+
+        return pipeline_module(optimized, args, kwargs, training)  # type: ignore[return-value]
     with torch.no_grad() if not training else contextlib.nullcontext():
         optimized.specialize(args, kwargs)
+    optimized.report.warnings.extend(precision_lib.notes_after(cfg, optimized.report))
+    if cfg.report is not None:  # report=: diagnose and time both modules, write the HTML
+        from .html_report import collect, write_report
+
+        write_report(cfg.report, collect(model, args, kwargs, optimized=optimized,
+                                         training=training))
     return optimized
 
 
@@ -147,18 +169,26 @@ class OptimizedModule(nn.Module):
             try:
                 spec = getattr(self, f"_capture_{method}")(args, kwargs, record)
                 break
+            except ConfigError:
+                raise  # the user's options (an unmeetable memory_budget): no method helps
             except Exception as exc:  # noqa: BLE001 - each failure is a reason, not a crash
                 log.info("capture by %s failed: %s", method, exc)
                 record.attempts.append((method, _reason(exc)))
                 # What the failed attempt recorded is not what will run.
                 record.passes, record.verification = [], None
                 record.nodes_before = record.nodes_after = record.subgraphs = 0
+                record.memory_plan = None
         if spec is None:
             spec = _Specialization(None, "eager", self.module)
             record.method = "eager"
             self.report.warnings.append(
                 "no capture method could take the model; it runs eagerly (see attempts)")
         record.seconds = time.perf_counter() - start
+        if (self._config.memory_budget is not None and torch.is_grad_enabled()
+                and record.memory_plan is None):
+            self.report.warnings.append(
+                f"memory_budget: captured by {record.method}, not as one whole graph, so no "
+                f"memory plan applies; saved activations are eager's")
         self._specializations.append(spec)
         return spec
 
@@ -260,6 +290,13 @@ class OptimizedModule(nn.Module):
                                           debug=self._config.debug)
         record.passes = records
         record.nodes_after = len(optimized.graph.nodes)
+        record.precision = optimized.meta.get("precision")  # what the precision pass chose
+        if self._config.memory_budget is not None and training:
+            # After the passes, so the plan prices the graph that runs; verified below.
+            optimized, plan = memory_lib.apply_memory_budget(
+                optimized, ctx, memory_lib.parse_budget(self._config.memory_budget),
+                self._config.memory_modes)
+            record.memory_plan = plan
         if self._config.verify:
             # Usually already checked by the driver (memoized). When the result still differs,
             # every pass was rolled back, so it is the capture that is wrong.

@@ -80,7 +80,58 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--bench", type=int, default=0, metavar="N",
                      help="time N runs after warm-up; print median latency and throughput")
     run.add_argument("-v", "--verbose", action="store_true")
+    _add_diagnosis_commands(sub)
+    _add_partition_command(sub)
     return parser
+
+
+def _add_partition_command(sub: argparse._SubParsersAction) -> None:
+    """``autoopt partition`` (autoopt/pipelining.py)."""
+    part = sub.add_parser("partition", help="cut a model into pipeline stages balanced by "
+                                            "measured time; print the stage table")
+    part.add_argument("model", help="package.module:factory, path/to/file.py:Name, or .pt2")
+    part.add_argument("--input", action="append", required=True, metavar="[NAME=]SHAPE[:DTYPE]",
+                      help="an example input (one microbatch), e.g. 1x3x224x224; repeatable")
+    part.add_argument("--dtype", default="float32", help="dtype of inputs that name none")
+    part.add_argument("--int-high", type=int, default=100, help="integer inputs: [0, N)")
+    part.add_argument("--stages", type=int, required=True, help="pipeline stages (K)")
+    part.add_argument("--devices", default=None, help="comma-separated, one per stage "
+                      "(default: cpu for each)")
+    part.add_argument("--memory", default=None, help="each device's memory, e.g. 16GiB")
+    part.add_argument("--microbatches", type=int, default=1, help="microbatches in flight")
+    part.add_argument("--plot", metavar="PATH.png", help="a per-stage time/memory bar chart "
+                      "(needs matplotlib)")
+    part.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    part.add_argument("-v", "--verbose", action="store_true")
+
+
+def _add_diagnosis_commands(sub: argparse._SubParsersAction) -> None:
+    """``autoopt diagnose`` and ``autoopt report`` (autoopt/diagnose.py, html_report.py)."""
+    diag = sub.add_parser("diagnose", help="run a workload; say why the device is idle and "
+                                           "which option fixes it")
+    rep = sub.add_parser("report", help="optimize, diagnose and time a model; write one "
+                                        "self-contained HTML report with charts")
+    for p in (diag, rep):
+        p.add_argument("model", help="package.module:factory, path/to/file.py:Name, or .pt2")
+        p.add_argument("--input", action="append", default=[], metavar="[NAME=]SHAPE[:DTYPE]",
+                       help="an example input, e.g. 1x3x224x224; repeat for several")
+        p.add_argument("--dtype", default="float32", help="dtype of inputs that name none")
+        p.add_argument("--int-high", type=int, default=100, help="integer inputs: [0, N)")
+        p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: model's)")
+        p.add_argument("--training", action="store_true", help="forward and backward steps")
+        p.add_argument("--steps", type=int, default=10, help="timed steps")
+        p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+        p.add_argument("-v", "--verbose", action="store_true")
+    diag.add_argument("--loader", metavar="FILE.py:NAME", help="batches from a DataLoader "
+                      "(or a function returning one) instead of --input")
+    diag.add_argument("--interval", type=float, default=0.05, help="seconds between "
+                      "utilization samples")
+    diag.add_argument("--apply", action="store_true", help="optimize with the fixes found; "
+                      "show before/after")
+    rep.add_argument("-o", "--output", required=True, metavar="PATH.html")
+    rep.add_argument("--title", default=None, help="the report's heading (default: MODEL)")
+    rep.add_argument("--disable", action="append", default=[], metavar="PASS",
+                     help="leave a pass out (repeatable)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -98,6 +149,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _export(args)
         if args.command == "run":
             return _run(args)
+        if args.command == "partition":
+            from .pipelining import partition_command
+
+            return partition_command(args)
+        if args.command == "diagnose":
+            from .diagnose import diagnose_command
+
+            return diagnose_command(args)
+        if args.command == "report":
+            from .html_report import report_command
+
+            return report_command(args)
     except AutoOptError as exc:
         print(f"autoopt: error: {exc}", file=sys.stderr)
         return 2

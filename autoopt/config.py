@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
+from . import precision as precision_settings
 from .errors import ConfigError
+from .memory import parse_budget, parse_modes
 from .passes import PIPELINE, PassFn
 from .verify import Tolerance
 
@@ -32,6 +34,11 @@ class OptimizeConfig:
         max_specializations: input signatures (shapes, flags, modes) to capture before new
             ones run eagerly.
         pass_options: per-pass options, ``{"pass_name": {"option": value}}``.
+        memory_budget: training only: bytes of saved activations allowed on the device (an
+            int, a fraction of device memory in (0, 1], or a string like ``"8GiB"``); autoopt
+            keeps, offloads or recomputes them to fit (see ``autoopt.memory``).
+        memory_modes: the ways ``memory_budget`` may use (``keep``, ``offload``,
+            ``selective``, ``recompute``); default: all on a GPU, all but offload on a CPU.
     """
 
     disable: tuple[str, ...] = ()
@@ -43,6 +50,17 @@ class OptimizeConfig:
     capture: tuple[str, ...] = CAPTURE_METHODS
     max_specializations: int = 8
     pass_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    memory_budget: int | float | str | None = None
+    memory_modes: tuple[str, ...] | None = None
+    # Precision casting (passes/precision.py); see autoopt.precision for the checks.
+    precision: str | None = None  # None/"fp32", "bf16", "fp16" or "int8" (CPU inference)
+    tolerance: float | None = None  # end-to-end relative error allowed under ``precision``
+    # Pipeline (autoopt.pipelining): one stage per device, cut by measured time.
+    devices: tuple[str, ...] | None = None  # e.g. ("cuda:0", "cuda:1"); None: no pipeline
+    microbatches: int = 1  # each call is split into this many along the batch dimension
+    # The HTML report (autoopt.html_report): a path optimize writes it to, after measuring
+    # and diagnosing the model before and after; None writes none.
+    report: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "disable", tuple(self.disable))
@@ -71,6 +89,18 @@ class OptimizeConfig:
             if not isinstance(dtype, torch.dtype) or not isinstance(tol, Tolerance):
                 raise ConfigError("tolerances maps torch.dtype to autoopt.Tolerance; "
                                   f"got {dtype!r}: {tol!r}")
+        if self.memory_budget is not None:
+            parse_budget(self.memory_budget)
+        if self.memory_modes is not None:
+            object.__setattr__(self, "memory_modes", parse_modes(self.memory_modes))
+        _check_pipeline(self)
+        if self.report is not None and not isinstance(self.report, str):
+            if not hasattr(self.report, "__fspath__"):
+                raise ConfigError(f"report is a path for the HTML report, e.g. "
+                                  f"report='report.html'; got {self.report!r}")
+            object.__setattr__(self, "report", str(self.report))
+        # Validates precision/tolerance and hands them to the pass and to verification.
+        precision_settings.configure(self)
 
     @property
     def passes(self) -> tuple[tuple[str, PassFn], ...]:
@@ -98,5 +128,32 @@ class OptimizeConfig:
         if isinstance(base.get("disable"), str):
             base["disable"] = (base["disable"],)
         return cls(**base)
+
+
+def _check_pipeline(config: OptimizeConfig) -> None:
+    """``devices`` names real devices, at least one; ``microbatches`` is a positive int."""
+    if not isinstance(config.microbatches, int) or config.microbatches < 1:
+        raise ConfigError(f"microbatches must be an integer >= 1; got {config.microbatches!r}")
+    if config.devices is None:
+        return
+    if isinstance(config.devices, str):
+        object.__setattr__(config, "devices", (config.devices,))
+    devices = tuple(str(d) for d in config.devices)
+    object.__setattr__(config, "devices", devices)
+    if not devices:
+        raise ConfigError("devices is empty; list one device per pipeline stage, e.g. "
+                          "devices=['cuda:0', 'cuda:1'] (or ['cpu', 'cpu'] to test).")
+    for name in devices:
+        try:
+            device = torch.device(name)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(f"devices: {name!r} is not a device name; use 'cpu' or "
+                              f"'cuda:N'.") from exc
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"devices: {name!r} is a {device.type} device; pipelines run on "
+                              f"'cpu' and 'cuda:N' devices.")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ConfigError(f"devices: {name!r} does not exist here ({torch.cuda.device_count()}"
+                              f" CUDA device(s)); list devices this machine has.")
 
 

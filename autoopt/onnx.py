@@ -39,6 +39,7 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
+from . import precision as precision_lib
 from .capture import dynamic_shapes_for
 from .errors import AutoOptError, ConfigError, DeviceError, InputError, ModelError, ModelSpecError
 from .verify import Tolerance, VerifyResult, _leaves, check_all, input_sets
@@ -147,7 +148,8 @@ def export_onnx(model_or_optimized: nn.Module, example_inputs: Any, path: str | 
                 dynamic: str | Sequence[str] = (), opset: int | None = None,
                 verify: bool = True, random_inputs: int = 2,
                 tolerances: Mapping[torch.dtype, Tolerance] | None = None,
-                exporter: str = "auto", config: Any = None) -> OnnxReport:
+                exporter: str = "auto", config: Any = None,
+                precision: str | None = None) -> OnnxReport:
     """Export the graph autoopt optimized to ONNX and check it under ONNX Runtime.
 
     Args:
@@ -165,6 +167,9 @@ def export_onnx(model_or_optimized: nn.Module, example_inputs: Any, path: str | 
         tolerances: per-dtype ``Tolerance`` overrides for verification.
         exporter: ``"auto"`` (dynamo, then TorchScript), ``"dynamo"`` or ``"torchscript"``.
         config: an ``OptimizeConfig`` or dict for the optimize step (plain modules only).
+        precision: ``"fp16"`` (or ``"bf16"``) for plain modules: the graph carries the precision
+            pass's casts (low-precision compute, fp32 islands; inputs and outputs keep their
+            types) and is verified within the precision's tolerance.
 
     Returns:
         An ``OnnxReport``; ``print`` it to read it.
@@ -190,12 +195,15 @@ def export_onnx(model_or_optimized: nn.Module, example_inputs: Any, path: str | 
     elif isinstance(model_or_optimized, nn.Module):
         with _eval_mode(model_or_optimized):
             shapes = _dynamic_shapes(model_or_optimized.forward, args, kwargs, dims)
-            optimized = optimize(model_or_optimized, args, kwargs, config=config,
+            optimized = optimize(model_or_optimized, args, kwargs,
+                                 config=precision_lib.export_config(config, precision),
                                  dynamic_shapes=shapes, training=False)
     else:
         raise ModelError(f"export_onnx expects an nn.Module or an OptimizedModule; got "
                          f"{type(model_or_optimized).__name__}.")
     eager = optimized.module
+    if tolerances is None and optimized._config.precision not in (None, "fp32"):
+        tolerances = optimized._config.tolerances  # the precision's end-to-end tolerance
     with torch.no_grad():
         gm, method = _whole_graph(optimized, args, kwargs)
         expected = eager(*args, **kwargs)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from .passes.memory_plan import MemoryPlan
+from .passes.precision import PrecisionSummary
 from .verify import VerifyResult
 
 
@@ -47,6 +49,8 @@ class CaptureRecord:
     seconds: float = 0.0
     nodes_before: int = 0
     nodes_after: int = 0
+    precision: PrecisionSummary | None = None  # precision=: ops cast, kept in fp32 and why
+    memory_plan: MemoryPlan | None = None  # memory_budget's plan (training captures)
 
 
 @dataclass
@@ -96,6 +100,10 @@ class Report:
                 why = f": {r.reason}" if r.reason else ""
                 lines.append(f"    pass {r.name:<16} {r.status:<11} {r.seconds * 1e3:7.1f} ms"
                              f"{extra}{why}")
+            if c.memory_plan is not None:
+                lines.extend("    " + line for line in c.memory_plan.describe().splitlines())
+            if c.precision is not None:
+                lines.extend("    " + line for line in c.precision.lines())
             if c.verification is not None:
                 lines.append(f"    verification: {c.verification}")
         lines.extend(f"warning: {w}" for w in self.warnings)

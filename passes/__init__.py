@@ -13,6 +13,7 @@ from .constant_fold import constant_fold
 from .dead_code import eliminate_dead_code
 from .fold_batchnorm import fold_batchnorm
 from .gelu import replace_gelu
+from .precision import cast_precision
 from .remove_noops import remove_noops
 
 PIPELINE: tuple[tuple[str, PassFn], ...] = (
@@ -27,6 +28,10 @@ PIPELINE: tuple[tuple[str, PassFn], ...] = (
     ("fold_batchnorm", fold_batchnorm),
     # Compute once what depends on no input: weight transposes and casts, position ids.
     ("constant_fold", constant_fold),
+    # fp16/bf16 casts around matmuls, convs and attention (or int8 linears), fp32 kept where
+    # measurement says accuracy needs it. After the fusions, so it casts the fused ops; does
+    # nothing unless the config sets precision=.
+    ("precision", cast_precision),
     # Erase what the rewrites above left without users.
     ("dead_code", eliminate_dead_code),
 )
@@ -34,5 +39,6 @@ PIPELINE: tuple[tuple[str, PassFn], ...] = (
 PASS_NAMES: tuple[str, ...] = tuple(name for name, _ in PIPELINE)
 
 __all__ = ["PIPELINE", "PASS_NAMES", "PassContext", "PassFn", "PassResult", "constant_fold",
+           "cast_precision",
            "eliminate_dead_code", "fold_batchnorm", "remove_noops", "replace_attention",
            "replace_gelu"]
