@@ -222,6 +222,35 @@ class CostModel:
             return median_seconds(lambda i: fn(*args, **kwargs), self.device, warmup=3,
                                   repeats=repeats, budget_s=10.0)
 
+    def fastest(self, what: str, candidates: dict[str, Any], repeats: int = 3,
+                ) -> tuple[str, dict[str, float]]:
+        """Which of several equivalent kernels runs fastest here, and each one's seconds.
+
+        ``candidates`` maps a kernel's name to a no-argument callable that runs it on real
+        inputs; ``what`` names the op, shapes and dtypes they compute, and with the device and
+        library versions keys the on-disk cache, so each choice is measured once per machine.
+        Candidates are timed in interleaved rounds (a drifting machine then slows all alike)
+        with caches evicted before each run; ties go to the first candidate.
+        """
+        key = f"fastest|{what}|{sorted(candidates)}|{self._context()}"
+        stored = self.cache.get(key)
+        if stored is not None and set(stored) == set(candidates):
+            seconds = {name: float(s) for name, s in stored.items()}
+        else:
+            samples: dict[str, list[float]] = {name: [] for name in candidates}
+            with torch.no_grad():
+                for fn in candidates.values():  # warm-up: first calls allocate and pack
+                    fn()
+                for _ in range(repeats):
+                    for name, fn in candidates.items():
+                        samples[name].append(median_seconds(
+                            lambda i, fn=fn: fn(), self.device, warmup=0, repeats=1,
+                            before=self.evict_cache))
+            seconds = {name: statistics.median(s) for name, s in samples.items()}
+            self.cache.put(key, seconds)
+        best = min(candidates, key=lambda name: (seconds[name], list(candidates).index(name)))
+        return best, seconds
+
     # --- whole graphs and stages -----------------------------------------------------------
 
     def predict(self, gm: GraphModule, nodes: Iterable[Node] | None = None) -> GraphCost:
