@@ -9,6 +9,7 @@ import torch
 from torch.fx import GraphModule
 
 from .errors import ModelError
+from .pipeline import portable
 
 
 def save_program(optimized: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any],
@@ -27,5 +28,5 @@ def save_program(optimized: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any
         raise ModelError(f"cannot save: the model was captured by {method!r}, not as one whole "
                          "graph, so there is no single program to write. Make the model "
                          "exportable (see the report's capture attempts).")
-    program = torch.export.export(spec.run, tuple(args), dict(kwargs), strict=False)
+    program = torch.export.export(portable(spec.run), tuple(args), dict(kwargs), strict=False)
     torch.export.save(program, path)

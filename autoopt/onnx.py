@@ -206,9 +206,6 @@ def export_onnx(model_or_optimized: nn.Module, example_inputs: Any, path: str | 
     shapes = _dynamic_shapes(gm.forward, args, kwargs, dims, named=True)
     used, fallback = _export(gm, args, kwargs, path, input_names, output_names, shapes,
                              dims, opset, external, exporter)
-
-    import onnx
-
     try:  # the path form also reads external data, which a >2 GB model needs
         onnx.checker.check_model(str(path))
     except onnx.checker.ValidationError as exc:
@@ -320,7 +317,7 @@ def _whole_graph(optimized: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                          f"not as one whole graph by torch.export, so there is no single graph "
                          f"to write. Make the model exportable with torch.export "
                          f"(capture attempts: {attempts or 'none recorded'}).")
-    return spec.run, spec.method
+    return portable(spec.run), spec.method
 
 
 def _flat_tensors(args: tuple[Any, ...], kwargs: Mapping[str, Any],
