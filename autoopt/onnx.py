@@ -40,7 +40,16 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from .capture import dynamic_shapes_for
-from .errors import AutoOptError, ConfigError, DeviceError, InputError, ModelError, ModelSpecError
+from .errors import (
+    AutoOptError,
+    ConfigError,
+    DeviceError,
+    InputError,
+    ModelError,
+    ModelSpecError,
+    require,
+)
+from .pipeline import portable
 from .verify import Tolerance, VerifyResult, _leaves, check_all, input_sets
 
 log = logging.getLogger(__name__)
@@ -176,6 +185,9 @@ def export_onnx(model_or_optimized: nn.Module, example_inputs: Any, path: str | 
     from .api import OptimizedModule, _check_inputs, optimize
 
     start = time.perf_counter()
+    onnx = require("onnx", "ONNX export", "pip install onnx onnxscript")
+    require("onnxruntime", "ONNX export (verification and ORT's node counts)",
+            "pip install onnxruntime")
     path = _check_path(path)
     dims = _check_dynamic(dynamic)
     if exporter not in EXPORTERS:
@@ -634,8 +646,8 @@ def onnx_session(path: str | Path, device: str | torch.device = "cpu",
         >>> session = autoopt.onnx_session("resnet.onnx", device="cuda")
         >>> logits = session(torch.randn(8, 3, 224, 224, device="cuda"))
     """
-    import onnxruntime as ort
-
+    ort = require("onnxruntime", "an ONNX Runtime session",
+                  "pip install onnxruntime (onnxruntime-gpu for CUDA)")
     path = Path(path)
     if not path.is_file():
         raise ModelSpecError(f"no such .onnx file: {str(path)!r}")
