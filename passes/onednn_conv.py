@@ -76,6 +76,13 @@ class PackedConv:
         self.__name__ = "onednn_conv2d"  # what FX prints and names the call's global
         self.weight, self.packed, self.geometry = weight, packed, geometry
         self.epilogue, self.add = epilogue, add
+        # The cost model keys measurements by op name and argument shapes; the weight is bound
+        # here, not an argument, so the name carries its shape and the conv's geometry.
+        padding, stride, dilation, groups = geometry
+        self.__qualname__ = (
+            f"onednn_conv2d[{'x'.join(map(str, weight.shape))},s{stride},p{padding},"
+            f"d{dilation},g{groups},{epilogue[0] if epilogue else 'none'},add={add}]"
+        ).replace(" ", "")
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None,
                  other: torch.Tensor | None = None) -> torch.Tensor:

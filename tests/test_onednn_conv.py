@@ -235,3 +235,14 @@ def test_optimize_uses_it_and_exports_take_the_portable_graph(tmp_path: Path) ->
         torch.testing.assert_close(copy.deepcopy(fast)(x), model(x), rtol=1e-4, atol=1e-4)
     report = autoopt.export_onnx(fast, (x,), tmp_path / "resnet18.onnx")
     assert report.ok
+
+
+def test_each_packed_conv_has_its_own_cost_key() -> None:
+    """Two convs with the same input and output shapes but different kernels must not share a
+    cached measurement: the weight is bound in the call, so its shape is in the op name."""
+    from autoopt.cost_model.estimate import op_family, op_name
+
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 1)).eval()
+    gm, _ = _rewrite(model, (1, 4, 8, 8))
+    names = {op_name(k) for k in _onednn_calls(gm)}
+    assert len(names) == 2 and {op_family(n) for n in names} == {"conv"}
