@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import statistics
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -295,6 +296,14 @@ class _NodeProfiler(Interpreter):
         if stored is None:
             try:
                 seconds = self._time(n, args, kwargs)
+            except torch.OutOfMemoryError:
+                # Timing keeps the op's inputs, a clone per repeat and a cache-eviction buffer
+                # alive at once; the op itself ran in the graph, so it is estimated instead.
+                warnings.warn(f"autoopt: out of memory on {self.model.device} timing "
+                              f"{n.name} ({op_name(n.target)}) alone; its cost is a roofline "
+                              f"estimate instead. Profile with smaller inputs for a "
+                              f"measurement.", stacklevel=2)
+                return result
             except Exception as exc:  # noqa: BLE001 - an op that cannot rerun is estimated
                 log.debug("cannot time %s alone: %s", n.format_node(), exc)
                 return result
