@@ -32,6 +32,8 @@ class OptimizeConfig:
         max_specializations: input signatures (shapes, flags, modes) to capture before new
             ones run eagerly.
         pass_options: per-pass options, ``{"pass_name": {"option": value}}``.
+        cuda_graphs: on a CUDA device, replay each static-shape inference graph as one CUDA
+            graph (one launch per call instead of one per kernel); checked against eager too.
     """
 
     disable: tuple[str, ...] = ()
@@ -43,6 +45,7 @@ class OptimizeConfig:
     capture: tuple[str, ...] = CAPTURE_METHODS
     max_specializations: int = 8
     pass_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "disable", tuple(self.disable))

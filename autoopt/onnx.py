@@ -322,14 +322,14 @@ def _whole_graph(optimized: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     spec = optimized._find(args, kwargs)
     if spec is None:
         spec = optimized.specialize(args, kwargs)
-    if not isinstance(spec.run, GraphModule):
+    if not isinstance(spec.graph, GraphModule):
         attempts = "; ".join(f"{m}: {why}" for c in optimized.report.captures
                              for m, why in c.attempts)
         raise ModelError(f"cannot export to ONNX: the model was captured by {spec.method!r}, "
                          f"not as one whole graph by torch.export, so there is no single graph "
                          f"to write. Make the model exportable with torch.export "
                          f"(capture attempts: {attempts or 'none recorded'}).")
-    return portable(spec.run), spec.method
+    return portable(spec.graph), spec.method
 
 
 def _flat_tensors(args: tuple[Any, ...], kwargs: Mapping[str, Any],

@@ -36,6 +36,8 @@ class CaptureRecord:
         verification: the end-to-end comparison against eager, when verification ran.
         subgraphs: how many graphs Dynamo handed over (``dynamo`` only).
         seconds: wall time of capture, passes and verification.
+        cuda_graph: ``recorded`` when calls replay one CUDA graph, else why not (empty where
+            CUDA graphs do not apply: CPU, training, symbolic shapes, ``cuda_graphs=False``).
     """
 
     inputs: str
@@ -47,6 +49,7 @@ class CaptureRecord:
     seconds: float = 0.0
     nodes_before: int = 0
     nodes_after: int = 0
+    cuda_graph: str = ""
 
 
 @dataclass
@@ -98,5 +101,7 @@ class Report:
                              f"{extra}{why}")
             if c.verification is not None:
                 lines.append(f"    verification: {c.verification}")
+            if c.cuda_graph:
+                lines.append(f"    cuda graph: {c.cuda_graph}")
         lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)
