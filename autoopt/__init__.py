@@ -9,7 +9,15 @@ from .api import OptimizedModule, optimize
 from .backend import autoopt_backend
 from .config import OptimizeConfig
 from .diagnose import Diagnosis, diagnose
-from .errors import AutoOptError, ConfigError, DeviceError, InputError, ModelError, ModelSpecError
+from .errors import (
+    AutoOptError,
+    ConfigError,
+    DependencyError,
+    DeviceError,
+    InputError,
+    ModelError,
+    ModelSpecError,
+)
 from .onnx import OnnxReport, OnnxSession, OnnxVerificationError, export_onnx, onnx_session
 from .pipelining import Pipeline  # optimize(..., devices=[...]) returns one
 from .report import CaptureRecord, PassRecord, Report
@@ -18,7 +26,8 @@ from .verify import Tolerance, VerifyResult
 __version__ = "0.1.0"
 
 __all__ = [
-    "AutoOptError", "CaptureRecord", "ConfigError", "DeviceError", "InputError", "ModelError",
+    "AutoOptError", "CaptureRecord", "ConfigError", "DependencyError", "DeviceError",
+    "InputError", "ModelError",
     "ModelSpecError", "OnnxReport", "OnnxSession", "OnnxVerificationError", "OptimizeConfig",
     "OptimizedModule", "PassRecord", "Report", "Tolerance", "VerifyResult", "autoopt_backend",
     "export_onnx", "onnx_session", "optimize",

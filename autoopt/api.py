@@ -18,6 +18,7 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from . import capture as capture_lib
+from . import cuda_graphs
 from . import memory as memory_lib
 from . import precision as precision_lib
 from .backend import autoopt_backend
@@ -110,6 +111,7 @@ class _Specialization:
     signature: InputSignature | None
     method: str
     run: Callable[..., Any]
+    graph: GraphModule | None = None  # the optimized whole graph ``run`` executes, if one
 
 
 class OptimizedModule(nn.Module):
@@ -234,7 +236,27 @@ class OptimizedModule(nn.Module):
         flat = capture_lib.flat_example_inputs(gm, args, kwargs)
         gm = self._optimize_graph(gm, flat, args, kwargs, record, "export",
                                   lambda g: g)
-        return _Specialization(signature_of(args, kwargs, self.module, gm), "export", gm)
+        return _Specialization(signature_of(args, kwargs, self.module, gm), "export",
+                               self._cuda_graph(gm, args, kwargs, record), gm)
+
+    def _cuda_graph(self, gm: GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    record: CaptureRecord) -> Callable[..., Any]:
+        """``gm`` replayed as one CUDA graph where that applies and matches eager, else gm."""
+        device = _model_device(self.module)
+        if (not self._config.cuda_graphs or device is None or device.type != "cuda"
+                or torch.is_grad_enabled() or self._dynamic or self._dynamic_shapes is not None):
+            return gm
+        runner, why = cuda_graphs.record(gm, args, kwargs)
+        if why:
+            record.cuda_graph = f"not used: {why}"
+            return gm
+        if self._config.verify:
+            result = self._verify(runner, args, kwargs, gm)
+            if not result.ok:
+                record.cuda_graph = f"not used: its replay differs from eager ({result.detail})"
+                return gm
+        record.cuda_graph = "recorded"
+        return runner
 
     def _capture_symbolic_trace(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                                 record: CaptureRecord) -> _Specialization:

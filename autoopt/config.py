@@ -39,6 +39,8 @@ class OptimizeConfig:
             keeps, offloads or recomputes them to fit (see ``autoopt.memory``).
         memory_modes: the ways ``memory_budget`` may use (``keep``, ``offload``,
             ``selective``, ``recompute``); default: all on a GPU, all but offload on a CPU.
+        cuda_graphs: on a CUDA device, replay each static-shape inference graph as one CUDA
+            graph (one launch per call instead of one per kernel); checked against eager too.
     """
 
     disable: tuple[str, ...] = ()
@@ -61,6 +63,7 @@ class OptimizeConfig:
     # The HTML report (autoopt.html_report): a path optimize writes it to, after measuring
     # and diagnosing the model before and after; None writes none.
     report: str | None = None
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "disable", tuple(self.disable))

@@ -503,8 +503,9 @@ def _roofline(w: _Workload, progress: Progress) -> GraphCost | None:
 
 def _optimized_graph(model: nn.Module) -> torch.fx.GraphModule | None:
     for spec in getattr(model, "_specializations", []):
-        if isinstance(spec.run, torch.fx.GraphModule):
-            return spec.run
+        graph = getattr(spec, "graph", None) or spec.run  # spec.run may be a CUDA graph
+        if isinstance(graph, torch.fx.GraphModule):
+            return graph
     return None
 
 

@@ -9,6 +9,7 @@ import torch
 from torch.fx import GraphModule
 
 from .errors import ModelError
+from .pipeline import portable
 
 
 def save_program(optimized: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any],
@@ -22,10 +23,10 @@ def save_program(optimized: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any
         spec = optimized._find(tuple(args), dict(kwargs))
     if spec is None:
         spec = optimized._find(tuple(args), dict(kwargs))
-    if spec is None or not isinstance(spec.run, GraphModule):
+    if spec is None or not isinstance(spec.graph, GraphModule):
         method = spec.method if spec is not None else "none"
         raise ModelError(f"cannot save: the model was captured by {method!r}, not as one whole "
                          "graph, so there is no single program to write. Make the model "
                          "exportable (see the report's capture attempts).")
-    program = torch.export.export(spec.run, tuple(args), dict(kwargs), strict=False)
+    program = torch.export.export(portable(spec.graph), tuple(args), dict(kwargs), strict=False)
     torch.export.save(program, path)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+
 
 class AutoOptError(Exception):
     """Base class of every error autoopt raises on purpose."""
@@ -25,3 +28,16 @@ class DeviceError(AutoOptError, RuntimeError):
 
 class ModelSpecError(AutoOptError, ValueError):
     """A command-line MODEL spec could not be resolved to an ``nn.Module``."""
+
+
+class DependencyError(AutoOptError, ImportError):
+    """A package that a feature needs is not installed."""
+
+
+def require(module: str, feature: str, install: str) -> ModuleType:
+    """Import ``module`` for ``feature``, or say what to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise DependencyError(f"{feature} needs the {module!r} package, which is not installed "
+                              f"({exc}); install it with `{install}`.") from exc

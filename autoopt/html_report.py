@@ -339,7 +339,8 @@ def _features(data: ReportData) -> list[tuple[str, Any]]:
     report = data.report or getattr(data.optimized, "report", None)
     holders += list(getattr(report, "captures", []) or [])
     for spec in getattr(data.optimized, "_specializations", []) or []:
-        holders.append(getattr(getattr(spec, "run", None), "meta", None))
+        graph = getattr(spec, "graph", None) or getattr(spec, "run", None)
+        holders.append(getattr(graph, "meta", None))
     found = []
     for title, names in (("Precision map", ("precision_map", "precision")),
                          ("Stage partition", ("partition", "plan", "stages")),

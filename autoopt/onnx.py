@@ -41,7 +41,16 @@ from torch.utils import _pytree as pytree
 
 from . import precision as precision_lib
 from .capture import dynamic_shapes_for
-from .errors import AutoOptError, ConfigError, DeviceError, InputError, ModelError, ModelSpecError
+from .errors import (
+    AutoOptError,
+    ConfigError,
+    DeviceError,
+    InputError,
+    ModelError,
+    ModelSpecError,
+    require,
+)
+from .pipeline import portable
 from .verify import Tolerance, VerifyResult, _leaves, check_all, input_sets
 
 log = logging.getLogger(__name__)
@@ -181,6 +190,9 @@ def export_onnx(model_or_optimized: nn.Module, example_inputs: Any, path: str | 
     from .api import OptimizedModule, _check_inputs, optimize
 
     start = time.perf_counter()
+    onnx = require("onnx", "ONNX export", "pip install onnx onnxscript")
+    require("onnxruntime", "ONNX export (verification and ORT's node counts)",
+            "pip install onnxruntime")
     path = _check_path(path)
     dims = _check_dynamic(dynamic)
     if exporter not in EXPORTERS:
@@ -214,9 +226,6 @@ def export_onnx(model_or_optimized: nn.Module, example_inputs: Any, path: str | 
     shapes = _dynamic_shapes(gm.forward, args, kwargs, dims, named=True)
     used, fallback = _export(gm, args, kwargs, path, input_names, output_names, shapes,
                              dims, opset, external, exporter)
-
-    import onnx
-
     try:  # the path form also reads external data, which a >2 GB model needs
         onnx.checker.check_model(str(path))
     except onnx.checker.ValidationError as exc:
@@ -321,14 +330,14 @@ def _whole_graph(optimized: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     spec = optimized._find(args, kwargs)
     if spec is None:
         spec = optimized.specialize(args, kwargs)
-    if not isinstance(spec.run, GraphModule):
+    if not isinstance(spec.graph, GraphModule):
         attempts = "; ".join(f"{m}: {why}" for c in optimized.report.captures
                              for m, why in c.attempts)
         raise ModelError(f"cannot export to ONNX: the model was captured by {spec.method!r}, "
                          f"not as one whole graph by torch.export, so there is no single graph "
                          f"to write. Make the model exportable with torch.export "
                          f"(capture attempts: {attempts or 'none recorded'}).")
-    return spec.run, spec.method
+    return portable(spec.graph), spec.method
 
 
 def _flat_tensors(args: tuple[Any, ...], kwargs: Mapping[str, Any],
@@ -645,8 +654,8 @@ def onnx_session(path: str | Path, device: str | torch.device = "cpu",
         >>> session = autoopt.onnx_session("resnet.onnx", device="cuda")
         >>> logits = session(torch.randn(8, 3, 224, 224, device="cuda"))
     """
-    import onnxruntime as ort
-
+    ort = require("onnxruntime", "an ONNX Runtime session",
+                  "pip install onnxruntime (onnxruntime-gpu for CUDA)")
     path = Path(path)
     if not path.is_file():
         raise ModelSpecError(f"no such .onnx file: {str(path)!r}")

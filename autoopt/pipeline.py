@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from torch.fx import GraphModule
 
-from .passes import PassContext, PassFn
+from .passes import LOWERING, PassContext, PassFn
 from .report import PassRecord
 from .verify import VerifyResult
 
@@ -65,7 +65,10 @@ def _run(gm: GraphModule, passes: Sequence[tuple[str, PassFn]], ctx: PassContext
          check: Check | None, disabled: Sequence[str]) -> tuple[GraphModule, list[PassRecord]]:
     records: list[PassRecord] = []
     current = gm
+    before_lowering: GraphModule | None = None
     for name, fn in passes:
+        if name in LOWERING and before_lowering is None:
+            before_lowering = current
         if name in disabled:
             records.append(PassRecord(name, "disabled"))
             continue
@@ -96,7 +99,15 @@ def _run(gm: GraphModule, passes: Sequence[tuple[str, PassFn]], ctx: PassContext
         current = result.graph_module
         records.append(PassRecord(name, "applied", dict(result.counts),
                                   time.perf_counter() - start))
+    if before_lowering is not None and current is not before_lowering:
+        current.meta["portable"] = before_lowering
     return current, records
+
+
+def portable(gm: GraphModule) -> GraphModule:
+    """The graph to export for ``gm``: the last one before device-specific lowering passes
+    (``autoopt.passes.LOWERING``), which a file for another runtime cannot hold."""
+    return gm.meta.get("portable", gm)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 from .cost_model import CostModel, GraphCost
 from .errors import ConfigError, InputError, ModelError
 from .passes.partition import DeviceSpec, Partition, PartitionError, partition
+from .pipeline import portable
 from .state import preserved
 from .verify import compare
 
@@ -505,11 +506,15 @@ def pipeline_module(optimized: OptimizedModule, args: tuple[Any, ...], kwargs: d
     micro_args, micro_kwargs = pytree.tree_unflatten(micro_flat, spec)
     with torch.no_grad() if not training else torch.enable_grad():
         spec_run = optimized.specialize(micro_args, micro_kwargs)
-    gm = spec_run.run
+    gm = spec_run.graph
     if spec_run.method != "export" or not isinstance(gm, GraphModule):
         raise ModelError(f"pipelining needs the whole model as one graph (torch.export), but "
                          f"it was captured by {spec_run.method}; see the report's capture "
                          f"attempts:\n{optimized.report}")
+    if any(torch.device(d).type != optimized.cost_model.device.type for d in devices):
+        # Lowered kernels (oneDNN's packed convolutions) run only on the capture's device
+        # type; stages elsewhere get the graph from before lowering.
+        gm = portable(gm)
     flat = pytree.tree_leaves((micro_args, micro_kwargs))
     specs = measured_device_specs(devices, optimized.cost_model)
     plan = plan_stages(gm, flat, specs, cost_model=optimized.cost_model,

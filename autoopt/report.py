@@ -38,6 +38,8 @@ class CaptureRecord:
         verification: the end-to-end comparison against eager, when verification ran.
         subgraphs: how many graphs Dynamo handed over (``dynamo`` only).
         seconds: wall time of capture, passes and verification.
+        cuda_graph: ``recorded`` when calls replay one CUDA graph, else why not (empty where
+            CUDA graphs do not apply: CPU, training, symbolic shapes, ``cuda_graphs=False``).
     """
 
     inputs: str
@@ -51,6 +53,7 @@ class CaptureRecord:
     nodes_after: int = 0
     precision: PrecisionSummary | None = None  # precision=: ops cast, kept in fp32 and why
     memory_plan: MemoryPlan | None = None  # memory_budget's plan (training captures)
+    cuda_graph: str = ""
 
 
 @dataclass
@@ -106,5 +109,7 @@ class Report:
                 lines.extend("    " + line for line in c.precision.lines())
             if c.verification is not None:
                 lines.append(f"    verification: {c.verification}")
+            if c.cuda_graph:
+                lines.append(f"    cuda graph: {c.cuda_graph}")
         lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)

@@ -62,6 +62,9 @@ class CostCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def items(self) -> list[tuple[str, dict[str, Any]]]:
+        return list(self._entries.items())
+
     def put(self, key: str, value: dict[str, Any]) -> None:
         self.put_many({key: value})
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import statistics
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -222,6 +223,35 @@ class CostModel:
             return median_seconds(lambda i: fn(*args, **kwargs), self.device, warmup=3,
                                   repeats=repeats, budget_s=10.0)
 
+    def fastest(self, what: str, candidates: dict[str, Any], repeats: int = 3,
+                ) -> tuple[str, dict[str, float]]:
+        """Which of several equivalent kernels runs fastest here, and each one's seconds.
+
+        ``candidates`` maps a kernel's name to a no-argument callable that runs it on real
+        inputs; ``what`` names the op, shapes and dtypes they compute, and with the device and
+        library versions keys the on-disk cache, so each choice is measured once per machine.
+        Candidates are timed in interleaved rounds (a drifting machine then slows all alike)
+        with caches evicted before each run; ties go to the first candidate.
+        """
+        key = f"fastest|{what}|{sorted(candidates)}|{self._context()}"
+        stored = self.cache.get(key)
+        if stored is not None and set(stored) == set(candidates):
+            seconds = {name: float(s) for name, s in stored.items()}
+        else:
+            samples: dict[str, list[float]] = {name: [] for name in candidates}
+            with torch.no_grad():
+                for fn in candidates.values():  # warm-up: first calls allocate and pack
+                    fn()
+                for _ in range(repeats):
+                    for name, fn in candidates.items():
+                        samples[name].append(median_seconds(
+                            lambda i, fn=fn: fn(), self.device, warmup=0, repeats=1,
+                            before=self.evict_cache))
+            seconds = {name: statistics.median(s) for name, s in samples.items()}
+            self.cache.put(key, seconds)
+        best = min(candidates, key=lambda name: (seconds[name], list(candidates).index(name)))
+        return best, seconds
+
     # --- whole graphs and stages -----------------------------------------------------------
 
     def predict(self, gm: GraphModule, nodes: Iterable[Node] | None = None) -> GraphCost:
@@ -266,6 +296,14 @@ class _NodeProfiler(Interpreter):
         if stored is None:
             try:
                 seconds = self._time(n, args, kwargs)
+            except torch.OutOfMemoryError:
+                # Timing keeps the op's inputs, a clone per repeat and a cache-eviction buffer
+                # alive at once; the op itself ran in the graph, so it is estimated instead.
+                warnings.warn(f"autoopt: out of memory on {self.model.device} timing "
+                              f"{n.name} ({op_name(n.target)}) alone; its cost is a roofline "
+                              f"estimate instead. Profile with smaller inputs for a "
+                              f"measurement.", stacklevel=2)
+                return result
             except Exception as exc:  # noqa: BLE001 - an op that cannot rerun is estimated
                 log.debug("cannot time %s alone: %s", n.format_node(), exc)
                 return result

@@ -13,6 +13,8 @@ from .constant_fold import constant_fold
 from .dead_code import eliminate_dead_code
 from .fold_batchnorm import fold_batchnorm
 from .gelu import replace_gelu
+from .merge_linear import merge_linear
+from .onednn_conv import onednn_conv
 from .precision import cast_precision
 from .remove_noops import remove_noops
 
@@ -28,17 +30,26 @@ PIPELINE: tuple[tuple[str, PassFn], ...] = (
     ("fold_batchnorm", fold_batchnorm),
     # Compute once what depends on no input: weight transposes and casts, position ids.
     ("constant_fold", constant_fold),
+    # Sibling linears on one input (Q/K/V, gate/up) into one wide matmul, where measured faster.
+    ("merge_linear", merge_linear),
     # fp16/bf16 casts around matmuls, convs and attention (or int8 linears), fp32 kept where
     # measurement says accuracy needs it. After the fusions, so it casts the fused ops; does
     # nothing unless the config sets precision=.
     ("precision", cast_precision),
     # Erase what the rewrites above left without users.
     ("dead_code", eliminate_dead_code),
+    # Lowering: from here on the graph calls device-specific kernels.
+    # Convolutions (+ activation / residual add) onto oneDNN with weights packed once (CPU).
+    ("onednn_conv", onednn_conv),
 )
+
+# Passes that swap in kernels of one device and library build (opaque packed weights, mkldnn
+# ops): what they make runs only here, so exports (ONNX, .pt2) take the graph from before them.
+LOWERING: frozenset[str] = frozenset({"onednn_conv"})
 
 PASS_NAMES: tuple[str, ...] = tuple(name for name, _ in PIPELINE)
 
-__all__ = ["PIPELINE", "PASS_NAMES", "PassContext", "PassFn", "PassResult", "constant_fold",
-           "cast_precision",
-           "eliminate_dead_code", "fold_batchnorm", "remove_noops", "replace_attention",
+__all__ = ["LOWERING", "PIPELINE", "PASS_NAMES", "PassContext", "PassFn", "PassResult",
+           "cast_precision", "constant_fold", "eliminate_dead_code", "fold_batchnorm",
+           "merge_linear", "onednn_conv", "remove_noops", "replace_attention",
            "replace_gelu"]

@@ -8,6 +8,7 @@ method and rewrites / fell back with reason / failed) is printed at the end.
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ class Outcome:
     rolled_back: list[str] = field(default_factory=list)
     detail: str = ""
     seconds: float = 0.0
+    speedup: float | None = None  # eager / optimized latency, 1 thread, interleaved medians
 
 
 _OUTCOMES: dict[str, Outcome] = {}
@@ -61,7 +63,27 @@ def _run_one(name: str) -> Outcome:
         return Outcome(name, "fell back", "eager", detail=why[:200], seconds=seconds)
     detail = "; ".join(f"not {m}: {r[:60]}" for m, r in capture.attempts)
     return Outcome(name, "optimized", capture.method, report.pass_counts, report.rolled_back,
-                   detail, seconds)
+                   detail, seconds, _speedup(reference, fast, args, kwargs))
+
+
+def _speedup(eager: torch.nn.Module, fast: torch.nn.Module, args: tuple, kwargs: dict,
+             rounds: int = 5) -> float:
+    """Eager latency over optimized latency on the example inputs: medians of interleaved
+    rounds on one thread (a figure for the summary, not a pass/fail criterion)."""
+    times: dict[str, list[float]] = {"eager": [], "fast": []}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            eager(*args, **kwargs), fast(*args, **kwargs)  # warm-up
+            for _ in range(rounds):
+                for key, fn in (("eager", eager), ("fast", fast)):
+                    start = time.perf_counter()
+                    fn(*args, **kwargs)
+                    times[key].append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(times["eager"]) / statistics.median(times["fast"])
 
 
 @pytest.mark.slow
@@ -77,15 +99,16 @@ def test_corpus_model_matches_eager(name: str) -> None:
 
 
 def _table(outcomes: list[Outcome]) -> str:
-    lines = ["| model | capture | passes fired | result | time (s) |",
-             "|---|---|---|---|---|"]
+    lines = ["| model | capture | passes fired | result | optimize s | speedup |",
+             "|---|---|---|---|---|---|"]
     for o in outcomes:
         passes = ", ".join(f"{k}={v}" for k, v in sorted(o.passes.items())) or "-"
         if o.rolled_back:
             passes += f" (rolled back: {', '.join(o.rolled_back)})"
         result = o.result + (f": {o.detail}" if o.detail else "")
+        speedup = f"{o.speedup:.2f}×" if o.speedup is not None else "-"
         lines.append(f"| {o.model} | {o.capture or '-'} | {passes} | {result} | "
-                     f"{o.seconds:.1f} |")
+                     f"{o.seconds:.1f} | {speedup} |")
     return "\n".join(lines)
 
 
@@ -99,7 +122,10 @@ def test_corpus_summary(capsys: pytest.CaptureFixture[str]) -> None:
     counts = {r: sum(o.result == r for o in outcomes) for r in ("optimized", "fell back",
                                                                  "failed")}
     with capsys.disabled():
+        speedups = [o.speedup for o in outcomes if o.speedup]
+        geomean = statistics.geometric_mean(speedups) if speedups else float("nan")
         print(f"\n\nautoopt corpus: {len(outcomes)} models, {counts['optimized']} optimized, "
-              f"{counts['fell back']} fell back, {counts['failed']} failed\n")
+              f"{counts['fell back']} fell back, {counts['failed']} failed; geometric-mean "
+              f"speedup over eager {geomean:.2f}× (1 thread, example inputs)\n")
         print(_table(outcomes))
     assert counts["failed"] == 0, [o.model for o in outcomes if o.result == "failed"]

@@ -187,3 +187,27 @@ def test_cuda_events_and_nvml_facts(tmp_path: Path) -> None:
     assert all(c.measured for c in profile.nodes if c.op.startswith("aten."))
     measured = cm.measure(gm, [x])
     assert 0.2 < profile.latency_s / measured < 5
+
+
+def test_out_of_memory_while_timing_a_node_warns_and_estimates(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from autoopt.cost_model import model as model_lib
+
+    real_time = model_lib._NodeProfiler._time
+
+    def oom_on_matmuls(self: object, n: torch.fx.Node, args: tuple, kwargs: dict) -> float:
+        if "linear" in str(n.target):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_time(self, n, args, kwargs)
+
+    monkeypatch.setattr(model_lib._NodeProfiler, "_time", oom_on_matmuls)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        gm = export_graph(mlp, (x,), {})
+    with pytest.warns(UserWarning, match=r"out of memory on cpu timing linear.*estimate"):
+        profile = _model(tmp_path).profile(gm, [x])
+    linears = [c for c in profile.by_node.values() if "linear" in c.op]
+    assert len(linears) == 2 and not any(c.measured for c in linears)
+    assert all(c.latency_s > 0 for c in linears)
+    assert profile.by_node["relu"].measured

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,3 +110,14 @@ def test_errors_leave_the_model_untouched() -> None:
 def test_all_errors_share_a_base_class() -> None:
     for error in (ConfigError, DeviceError, InputError, ModelError, autoopt.ModelSpecError):
         assert issubclass(error, autoopt.AutoOptError)
+
+
+def test_onnx_runtime_not_installed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime now fails
+    path = tmp_path / "m.onnx"
+    path.write_bytes(b"")
+    with pytest.raises(autoopt.DependencyError, match=r"onnxruntime.*pip install onnxruntime"):
+        autoopt.onnx_session(path)
+    with pytest.raises(autoopt.DependencyError, match="ONNX export"):
+        autoopt.export_onnx(nn.Linear(2, 2), (torch.randn(1, 2),), tmp_path / "x.onnx")
+    assert not (tmp_path / "x.onnx").exists()

@@ -30,3 +30,20 @@ def test_device_argument_moves_the_private_copy_only() -> None:
     assert next(model.parameters()).device.type == "cpu"
     out = fast(args[0].cuda())
     torch.testing.assert_close(out.cpu(), model(*args), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_static_inference_and_matches_eager() -> None:
+    model, args, _ = REAL_MODELS["resnet18"]()
+    model = model.cuda().eval()
+    x = args[0].cuda()
+    fast = autoopt.optimize(model, (x,))
+    assert fast.report.captures[0].cuda_graph == "recorded", fast.report
+    with torch.no_grad():
+        x1, x2 = torch.randn_like(x), torch.randn_like(x)
+        out1 = fast(x1)
+        out2 = fast(x2)  # must not overwrite out1 (outputs are copies of the replay's buffers)
+        torch.testing.assert_close(out1, model(x1), rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(out2, model(x2), rtol=1e-3, atol=1e-3)
+    plain = autoopt.optimize(model, (x,), cuda_graphs=False)
+    assert plain.report.captures[0].cuda_graph == ""

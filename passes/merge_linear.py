@@ -1,0 +1,137 @@
+"""Sibling linear layers that read the same input into one wider matmul and a split.
+
+    x ─┬─ linear(Wq, bq) ─ q              x ─ linear(W, b) ─ split ─┬─ q
+       ├─ linear(Wk, bk) ─ k      ⟶                                ├─ k      W = [Wq; Wk; Wv]
+       └─ linear(Wv, bv) ─ v                                       └─ v      b = [bq; bk; bv]
+
+One GEMM with N = ΣNᵢ reads ``x`` once and keeps the matrix unit busier than several narrow
+ones: it pays for small token counts (batch 1) and can cost at large ones, so the cost model
+measures both forms for each group's shapes and keeps the faster. The outputs are views into
+the wide result, as ``torch.split`` gives.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.fx import GraphModule, Node
+
+from .base import PassContext, PassResult
+from .graph import add_constant, attr, call_kwargs, meta_val
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+LINEAR = frozenset({aten.linear.default})
+
+
+def merge_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
+    """Merge each group of two or more linear ops on the same input, with constant weights of
+    one dtype, into one linear and a split, where the cost model measures it faster.
+
+    Not in training: the merged weight is a new constant, which gradients would not reach.
+    Options: ``measure`` (default True) lets the cost model decide per group; False merges
+    every group.
+    """
+    if ctx.training:
+        return PassResult(gm, False)
+    measure = bool(ctx.options.get("measure", True)) and ctx.cost is not None
+    counts = {"merged_groups": 0, "merged_linears": 0, "kept_separate": 0}
+    for x in list(gm.graph.nodes):
+        group = _siblings(gm, x)
+        if len(group) < 2:
+            continue
+        weights = [attr(gm, kw["weight"]) for _, kw in group]
+        biases = [attr(gm, kw["bias"]) if kw.get("bias") is not None else None
+                  for _, kw in group]
+        if measure and not _pays(ctx, meta_val(x), weights, biases):
+            counts["kept_separate"] += 1
+            continue
+        _merge(gm, x, [node for node, _ in group], weights, biases)
+        counts["merged_groups"] += 1
+        counts["merged_linears"] += len(group)
+    counts = {k: v for k, v in counts.items() if v}
+    return PassResult(gm, "merged_groups" in counts, counts)
+
+
+def _siblings(gm: GraphModule, x: Node) -> list[tuple[Node, dict]]:
+    """The linear ops reading ``x`` whose weights (and biases) are constant tensors of one
+    dtype and device, as (node, arguments by name)."""
+    found = []
+    for user in x.users:
+        if user.target not in LINEAR:
+            continue
+        kw = call_kwargs(user)
+        if kw is None or kw.get("input") is not x:
+            continue
+        weight, bias = kw.get("weight"), kw.get("bias")
+        w = attr(gm, weight) if isinstance(weight, Node) and weight.op == "get_attr" else None
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            continue
+        if bias is not None:
+            b = attr(gm, bias) if isinstance(bias, Node) and bias.op == "get_attr" else None
+            if not isinstance(b, torch.Tensor) or b.shape != w.shape[:1] or b.dtype != w.dtype:
+                continue
+        found.append((user, kw))
+    value = meta_val(x)
+    if not isinstance(value, torch.Tensor):
+        return []
+    kinds = {(attr(gm, kw["weight"]).dtype, attr(gm, kw["weight"]).device) for _, kw in found}
+    if len(kinds) != 1 or next(iter(kinds))[0] != value.dtype:
+        return []
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return sorted(found, key=lambda pair: order[pair[0]])
+
+
+def _stacked(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None],
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight = torch.cat([w.detach() for w in weights])
+    if all(b is None for b in biases):
+        return weight, None
+    bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0])
+                      for w, b in zip(weights, biases, strict=True)])
+    return weight, bias
+
+
+def _merge(gm: GraphModule, x: Node, linears: Sequence[Node], weights: Sequence[torch.Tensor],
+           biases: Sequence[torch.Tensor | None]) -> None:
+    weight, bias = _stacked(weights, biases)
+    sizes = [w.shape[0] for w in weights]
+    graph = gm.graph
+    with graph.inserting_before(linears[0]):  # x and the weights exist by then
+        w_node = add_constant(gm, "merged_linear_weight", weight)
+        b_node = add_constant(gm, "merged_linear_bias", bias) if bias is not None else None
+        wide = graph.call_function(aten.linear.default, (x, w_node, b_node))
+        wide.meta["val"] = aten.linear.default(meta_val(x), w_node.meta["val"],
+                                               b_node.meta["val"] if b_node else None)
+        parts = graph.call_function(aten.split_with_sizes.default, (wide, sizes, -1))
+        parts.meta["val"] = aten.split_with_sizes.default(wide.meta["val"], sizes, -1)
+        for i, old in enumerate(linears):
+            part = graph.call_function(operator.getitem, (parts, i))
+            part.meta = {**old.meta, "val": parts.meta["val"][i]}
+            old.replace_all_uses_with(part)
+    for old in linears:
+        graph.erase_node(old)
+
+
+def _pays(ctx: PassContext, x_meta: torch.Tensor, weights: Sequence[torch.Tensor],
+          biases: Sequence[torch.Tensor | None]) -> bool:
+    """Whether the merged form measures at least as fast as the separate linears, on a random
+    input of the real shape."""
+    if not all(isinstance(s, int) for s in x_meta.shape):
+        return False  # a symbolic size: no single shape to measure at
+    x = torch.randn(x_meta.shape, dtype=x_meta.dtype, device=weights[0].device)
+    weight, bias = _stacked(weights, biases)
+    sizes = [w.shape[0] for w in weights]
+    what = (f"linear_group|{tuple(x.shape)}|{[tuple(w.shape) for w in weights]}|{x.dtype}|"
+            f"bias={[b is not None for b in biases]}")
+    best, seconds = ctx.cost.fastest(what, {
+        "merged": lambda: F.linear(x, weight, bias).split(sizes, -1),
+        "separate": lambda: [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)],
+    })
+    log.debug("%s: %s", what, seconds)
+    return best == "merged"
