@@ -32,6 +32,7 @@ from autoopt.cost_model.stages import balanced_cut, split_stages
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUNDS = 5
+CPU = torch.device("cpu")
 transformers.logging.set_verbosity_error()
 
 
@@ -66,8 +67,15 @@ def _stage_runner(gm: torch.fx.GraphModule, groups: list[list[Any]], inputs: lis
     return split, stage_inputs
 
 
+def _clock(device: torch.device) -> float:
+    """Now, after the device's queued work (CUDA calls return before it is done)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def _stage_times_in_situ(split: torch.fx.GraphModule, inputs: list[Any], k: int,
-                         repeats: int = 11) -> list[float]:
+                         repeats: int = 11, device: torch.device = CPU) -> list[float]:
     """Median time of each stage as it runs inside whole-model runs of the split module
     (timed between hooks at its boundaries), so a stage sees the caches a model run leaves,
     not those of the same stage looping alone."""
@@ -77,9 +85,9 @@ def _stage_times_in_situ(split: torch.fx.GraphModule, inputs: list[Any], k: int,
     for i in range(k):
         stage = getattr(split, f"submod_{i}")
         hooks.append(stage.register_forward_pre_hook(
-            lambda mod, args, i=i: starts.__setitem__(i, time.perf_counter())))
+            lambda mod, args, i=i: starts.__setitem__(i, _clock(device))))
         hooks.append(stage.register_forward_hook(
-            lambda mod, args, out, i=i: samples[i].append(time.perf_counter() - starts[i])))
+            lambda mod, args, out, i=i: samples[i].append(_clock(device) - starts[i])))
     with torch.no_grad():
         for _ in range(3):
             split(*inputs)
@@ -92,7 +100,8 @@ def _stage_times_in_situ(split: torch.fx.GraphModule, inputs: list[Any], k: int,
     return [statistics.median(s) for s in samples]
 
 
-def run(names: list[str], threads: int, rounds: int) -> list[dict[str, Any]]:
+def run(names: list[str], threads: int, rounds: int, device: str = "cpu",
+        ) -> list[dict[str, Any]]:
     """Per model: ``rounds`` interleaved rounds of (profile from scratch, measure the model,
     measure each stage); errors are medians over rounds, so drift of this shared machine
     between rounds does not decide the figure."""
@@ -101,12 +110,15 @@ def run(names: list[str], threads: int, rounds: int) -> list[dict[str, Any]]:
     for name in names:
         torch.manual_seed(0)
         model, args, kwargs = MODELS[name]()
+        target = torch.device(device)
+        model = model.to(target)
+        args = tuple(a.to(target) if isinstance(a, torch.Tensor) else a for a in args)
         gm = export_graph(model, args, kwargs)
         gm.graph.eliminate_dead_code()
         gm.recompile()
         inputs = list(flat_example_inputs(gm, args, kwargs))
         with tempfile.TemporaryDirectory() as tmp:
-            cm = CostModel("cpu", cache=CostCache(Path(tmp) / "costs.json"))
+            cm = CostModel(target, cache=CostCache(Path(tmp) / "costs.json"))
             _ = cm.info  # ceilings are measured once per device, not part of profiling
             start = time.perf_counter()
             first = cm.profile(gm, inputs)
@@ -121,14 +133,14 @@ def run(names: list[str], threads: int, rounds: int) -> list[dict[str, Any]]:
         stage_errors: dict[int, list[float]] = {2: [], 4: []}
         predicted_ms, measured_ms = [], []
         for _ in range(rounds):
-            cm = CostModel("cpu", cache=CostCache.in_memory())
+            cm = CostModel(target, cache=CostCache.in_memory())
             profile = cm.profile(gm, inputs)
             measured = cm.measure(gm, args, kwargs, repeats=11)
             predicted_ms.append(profile.latency_s * 1e3)
             measured_ms.append(measured * 1e3)
             errors.append((profile.latency_s - measured) / measured)
             for k, (split, _) in runners.items():
-                actual = _stage_times_in_situ(split, inputs, len(cuts[k]))
+                actual = _stage_times_in_situ(split, inputs, len(cuts[k]), device=target)
                 worst = 0.0
                 for i, group in enumerate(cuts[k]):
                     predicted = sum(profile.by_node[n.name].latency_s for n in group
@@ -151,12 +163,15 @@ def run(names: list[str], threads: int, rounds: int) -> list[dict[str, Any]]:
     return rows
 
 
-def table(rows: list[dict[str, Any]], threads: int, command: str) -> str:
-    cpu = CostModel("cpu", cache=CostCache.in_memory()).info.name
+def table(rows: list[dict[str, Any]], threads: int, command: str, device: str = "cpu") -> str:
+    target = torch.device(device)
+    name = CostModel(target, cache=CostCache.in_memory()).info.name
+    kind = "CUDA" if target.type == "cuda" else "CPU"
+    threads_text = f", {threads} thread(s)" if target.type == "cpu" else ""
     lines = [
-        "## Cost model accuracy (CPU)", "",
+        f"## Cost model accuracy ({kind})", "",
         f"Command: `{command}`  ",
-        f"Machine: {cpu}, {threads} thread(s), torch {torch.__version__}, "
+        f"Machine: {name}{threads_text}, torch {torch.__version__}, "
         f"Python {platform.python_version()}. Batch 1; images 224×224, text 128 tokens; "
         "random weights.", "",
         "Predicted = sum of per-node costs, each node timed alone on its real inputs (median of "
@@ -198,14 +213,18 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    parser.add_argument("--out", type=Path, help="also write the table to this file")
     args = parser.parse_args()
     global ROUNDS
     ROUNDS = args.rounds
-    rows = run(args.models.split(","), args.threads, args.rounds)
+    rows = run(args.models.split(","), args.threads, args.rounds, args.device)
     command = "python bench/cost_model_accuracy.py " + " ".join(sys.argv[1:])
-    section = table(rows, args.threads, command.strip())
+    section = table(rows, args.threads, command.strip(), args.device)
     print(section)
+    if args.out:
+        args.out.write_text(section)
     if args.write:
         write_section(ROOT / "docs" / "benchmarks.md", section)
     return 0

@@ -1,6 +1,7 @@
 """Inference latency: eager vs autoopt.optimize vs torch.compile vs ONNX Runtime, same run.
 
-    python bench/inference.py [--threads 1] [--batches 1,8] [--models resnet50,gpt2] [--write]
+    python bench/inference.py [--threads 1] [--batches 1,8] [--models resnet50,gpt2]
+                              [--device cuda] [--write] [--out table.md]
 
 Models have random weights at full size (images 224×224, text 128 tokens). For each model and
 batch the four runners are timed round-robin (interleaved, so drift of this shared machine hits
@@ -74,6 +75,11 @@ def _onnx_runner(model: nn.Module, args: tuple, kwargs: dict, tmp: str) -> Calla
 
     path = str(Path(tmp) / "model.onnx")
     torch.onnx.export(model, args, path, kwargs=kwargs or None, dynamo=True)
+    device = next(model.parameters()).device
+    if device.type == "cuda":  # the same session set-up as autoopt's (CUDA EP, IO binding)
+        session = autoopt.onnx_session(path, device=device)
+        tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
+        return lambda: _first_tensor(session(*tensors))
     options = ort.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -84,9 +90,25 @@ def _onnx_runner(model: nn.Module, args: tuple, kwargs: dict, tmp: str) -> Calla
     return lambda: torch.from_numpy(session.run(None, feed)[0])  # plain export, plain ORT
 
 
-def bench_one(name: str, batch: int, rounds: int) -> dict[str, Any]:
+def _synchronized(run: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
+    """``run`` timed to the end of its device work (CUDA calls return before it)."""
+    if device.type != "cuda":
+        return run
+
+    def timed() -> Any:
+        out = run()
+        torch.cuda.synchronize(device)
+        return out
+
+    return timed
+
+
+def bench_one(name: str, batch: int, rounds: int, device: str = "cpu") -> dict[str, Any]:
     torch.manual_seed(0)
     model, (args, kwargs) = MODELS[name](batch)
+    target = torch.device(device)
+    model = model.to(target)
+    args = tuple(a.to(target) if isinstance(a, torch.Tensor) else a for a in args)
     runners: dict[str, Callable[[], Any]] = {}
     prepare: dict[str, float] = {}
     memory: dict[str, float] = {}
@@ -116,7 +138,8 @@ def bench_one(name: str, batch: int, rounds: int) -> dict[str, Any]:
                 before, start = _rss_mib(), time.perf_counter()
                 path = str(Path(tmp) / "autoopt.onnx")
                 autoopt.export_onnx(model, args, path, example_kwargs=kwargs, verify=False)
-                session = autoopt.onnx_session(path, threads=torch.get_num_threads())
+                session = autoopt.onnx_session(path, device=target,
+                                               threads=torch.get_num_threads())
                 tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
                 runners["autoopt→onnxruntime"] = lambda: _first_tensor(session(*tensors))
                 runners["autoopt→onnxruntime"]()
@@ -129,6 +152,7 @@ def bench_one(name: str, batch: int, rounds: int) -> dict[str, Any]:
             errors = {k: float((_first_tensor(r()) - reference).abs().max())
                       for k, r in runners.items()}
             times: dict[str, list[float]] = {k: [] for k in runners}
+            runners = {k: _synchronized(r, target) for k, r in runners.items()}
             for _ in range(rounds):
                 for label, run in runners.items():
                     start = time.perf_counter()
@@ -139,9 +163,15 @@ def bench_one(name: str, batch: int, rounds: int) -> dict[str, Any]:
             "memory": memory, "errors": errors}
 
 
-def table(rows: list[dict[str, Any]], threads: int, command: str) -> str:
-    lines = ["## Inference latency (CPU)", "", f"Command: `{command}`  ",
-             f"Machine: {platform.processor() or platform.machine()}, {threads} thread(s), "
+def table(rows: list[dict[str, Any]], threads: int, command: str, device: str = "cpu") -> str:
+    if torch.device(device).type == "cuda":
+        title = "## Inference latency (CUDA)"
+        machine = f"{torch.cuda.get_device_name(torch.device(device))}, CUDA {torch.version.cuda}"
+    else:
+        title = "## Inference latency (CPU)"
+        machine = f"{platform.processor() or platform.machine()}, {threads} thread(s)"
+    lines = [title, "", f"Command: `{command}`  ",
+             f"Machine: {machine}, "
              f"torch {torch.__version__}. Random weights, images 224×224, text 128 tokens. "
              "Median of interleaved rounds; speedup = eager median / runner median; prepare = "
              "optimize / compile (incl. first call) / export + session time; mem = peak RSS "
@@ -173,18 +203,23 @@ def main() -> int:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--write", action="store_true")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    parser.add_argument("--out", type=Path, help="also write the table to this file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
     for name in args.models.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
-            row = bench_one(name, batch, args.rounds)
+            row = bench_one(name, batch, args.rounds, args.device)
             rows.append(row)
             print(f"{name} b{batch}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in
                                                    row["median"].items()), flush=True)
-    section = table(rows, args.threads, "python bench/inference.py " + " ".join(sys.argv[1:]))
+    section = table(rows, args.threads, "python bench/inference.py " + " ".join(sys.argv[1:]),
+                    args.device)
     print(section)
+    if args.out:
+        args.out.write_text(section)
     if args.write:
         write_section(ROOT / "docs" / "benchmarks.md", section)
     return 0
