@@ -32,7 +32,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx._pytree import tree_flatten_spec
 from torch.utils import _pytree as pytree
 
-from .cost_model import CostModel, GraphCost
+from .cost_model import CostModel, GraphCost, NodeCost
 from .errors import ConfigError, InputError, ModelError
 from .passes.partition import DeviceSpec, Partition, PartitionError, partition
 from .pipeline import portable
@@ -420,7 +420,7 @@ def plan_stages(gm: GraphModule, inputs: Sequence[Any], devices: Sequence[Device
     (``refine_by_measurement``). A partition that cannot exist is a ``ConfigError`` naming
     the reason."""
     cost_model = cost_model or CostModel("cpu")
-    cost = (cost_model.profile(gm, list(inputs), training=training) if measure
+    cost = (cost_model.profile(gm, list(inputs), training=training, in_model=True) if measure
             else cost_model.predict(gm))
     try:
         plan = partition(gm, cost, devices, microbatches=microbatches, training=training)
@@ -445,6 +445,11 @@ def stage_seconds(gm: GraphModule, plan: Partition, inputs: Sequence[Any],
     return seconds
 
 
+def _scaled(cost: NodeCost, factor: float) -> NodeCost:
+    in_model = cost.in_model_s * factor if cost.in_model_s is not None else None
+    return dataclasses.replace(cost, latency_s=cost.latency_s * factor, in_model_s=in_model)
+
+
 def refine_by_measurement(gm: GraphModule, cost: GraphCost, devices: Sequence[DeviceSpec],
                           inputs: Sequence[Any], plan: Partition, cost_model: CostModel, *,
                           rounds: int = 2, trials: int = 3, microbatches: int = 1,
@@ -466,8 +471,7 @@ def refine_by_measurement(gm: GraphModule, cost: GraphCost, devices: Sequence[De
             predicted = stage.compute_s * d.speed  # on the device the costs describe
             for name in stage.nodes:
                 scale[name] = m / predicted if predicted > 0 else 1.0
-        nodes = tuple(dataclasses.replace(c, latency_s=c.latency_s * scale.get(c.node, 1.0))
-                      for c in cost.nodes)
+        nodes = tuple(_scaled(c, scale.get(c.node, 1.0)) for c in cost.nodes)
         cost = dataclasses.replace(cost, nodes=nodes, latency_s=sum(c.latency_s for c in nodes),
                                    by_node={c.node: c for c in nodes})
         plan = partition(gm, cost, devices, microbatches=microbatches, training=training)

@@ -134,7 +134,7 @@ def run(names: list[str], threads: int, rounds: int, device: str = "cpu",
         predicted_ms, measured_ms = [], []
         for _ in range(rounds):
             cm = CostModel(target, cache=CostCache.in_memory())
-            profile = cm.profile(gm, inputs)
+            profile = cm.profile(gm, inputs, in_model=True)
             measured = cm.measure(gm, args, kwargs, repeats=11)
             predicted_ms.append(profile.latency_s * 1e3)
             measured_ms.append(measured * 1e3)
@@ -143,7 +143,7 @@ def run(names: list[str], threads: int, rounds: int, device: str = "cpu",
                 actual = _stage_times_in_situ(split, inputs, len(cuts[k]), device=target)
                 worst = 0.0
                 for i, group in enumerate(cuts[k]):
-                    predicted = sum(profile.by_node[n.name].latency_s for n in group
+                    predicted = sum(profile.by_node[n.name].stage_s for n in group
                                     if n.name in profile.by_node)
                     worst = max(worst, abs(predicted - actual[i]) / actual[i])
                 stage_errors[k].append(worst)
@@ -177,8 +177,10 @@ def table(rows: list[dict[str, Any]], threads: int, command: str, device: str = 
         "Predicted = sum of per-node costs, each node timed alone on its real inputs (median of "
         "repeats, L2 evicted before each); measured = median of whole-model runs. Stage error "
         "= the worst |predicted − measured| / measured over the stages of a cut into K "
-        "contiguous stages of equal predicted time, each stage timed inside whole-model runs "
-        "(hooks at its boundaries). Each figure is the "
+        "contiguous stages of equal predicted time, where a stage's prediction adds up its "
+        "nodes' in-model times (`profile(in_model=True)`: each node timed where it stands in "
+        "5 separate whole-graph runs, median) and its measurement times the stage inside other "
+        "whole-model runs (hooks at its boundaries). Each figure is the "
         f"median over {ROUNDS} interleaved rounds (profile, model, stages), with the range of "
         "the whole-model error. Profile = first profiling with an empty cache; cached = the "
         "same with the cache filled.", "",

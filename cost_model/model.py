@@ -7,8 +7,10 @@ other figure is a roofline estimate calibrated by those measurements. Each figur
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import statistics
+import time
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +55,8 @@ class NodeCost:
         saved_bytes: activation bytes autograd keeps for backward (measured when training).
         measured: True when ``latency_s`` was timed on the device, False when estimated.
         bound: ``compute``, ``memory`` or ``overhead``.
+        in_model_s: seconds per call timed inside whole-graph runs (``profile(in_model=
+            True)``), where the op finds the caches its neighbours leave; None if not timed.
     """
 
     node: str
@@ -64,6 +68,13 @@ class NodeCost:
     saved_bytes: int = 0
     measured: bool = False
     bound: str = "overhead"
+    in_model_s: float | None = None
+
+    @property
+    def stage_s(self) -> float:
+        """The figure to add up for a part of the graph (a pipeline stage): the in-model time
+        where it was measured, else the node's own."""
+        return self.in_model_s if self.in_model_s is not None else self.latency_s
 
 
 @dataclass(frozen=True)
@@ -178,13 +189,17 @@ class CostModel:
     # --- measurement -----------------------------------------------------------------------
 
     def profile(self, gm: GraphModule, example_inputs: Sequence[Any] | None = None, *,
-                training: bool = False) -> GraphCost:
+                training: bool = False, in_model: bool = False) -> GraphCost:
         """Time every node alone with its real inputs (running the graph once to get them).
 
         Nodes already measured for the same op, shapes, dtypes and device are read from the
         cache. ``example_inputs`` are the graph's placeholders' values; without them random
         ones are made from the placeholders' metadata. With ``training`` the bytes each node
-        saves for backward are measured too.
+        saves for backward are measured too. With ``in_model`` each node is also timed inside
+        whole-graph runs (``NodeCost.in_model_s``): alone, an op starts with cold caches; in the
+        model it finds its input where its producer left it, which is what a pipeline stage's
+        time adds up (``NodeCost.stage_s``). Those figures hold for this graph only and are not
+        cached.
         """
         inputs = list(example_inputs) if example_inputs is not None else _random_inputs(gm)
         profiler = _NodeProfiler(gm, self, training)
@@ -192,8 +207,24 @@ class CostModel:
             profiler.run(*inputs)
         self.cache.put_many(profiler.new_entries)
         self._fit_calibration(profiler.costs, gm)
-        return self.summarize(gm, [profiler.costs.get(n.name) or self.estimate(n, gm)
-                                   for n in gm.graph.nodes])
+        costs = [profiler.costs.get(n.name) or self.estimate(n, gm) for n in gm.graph.nodes]
+        if in_model:
+            in_model_s = self._time_in_model(gm, inputs, training)
+            costs = [dataclasses.replace(c, in_model_s=in_model_s.get(c.node, 0.0))
+                     if c.latency_s > 0 or c.node in in_model_s else c for c in costs]
+        return self.summarize(gm, costs)
+
+    def _time_in_model(self, gm: GraphModule, inputs: list[Any], training: bool,
+                       runs: int = 5) -> dict[str, float]:
+        """Median seconds of each op node over ``runs`` whole-graph runs, each node bracketed
+        by clock reads (and device syncs) as it runs in order."""
+        timer = _InModelTimer(gm, self.device)
+        with torch.no_grad() if not training else contextlib.nullcontext():
+            timer.run(*inputs)  # warm-up
+            timer.samples.clear()
+            for _ in range(runs):
+                timer.run(*inputs)
+        return {name: statistics.median(s) for name, s in timer.samples.items()}
 
     def _fit_calibration(self, measured: dict[str, NodeCost], gm: GraphModule) -> None:
         ceilings = self.info.ceilings
@@ -267,6 +298,28 @@ class CostModel:
         return GraphCost(tuple(costs), total, peak_activation_bytes(nodes),
                          parameter_bytes(gm, nodes), measured / total if total else 0.0,
                          sum(c.saved_bytes for c in costs), {c.node: c for c in costs})
+
+
+class _InModelTimer(Interpreter):
+    """Runs the graph, timing each op node where it stands in the run."""
+
+    def __init__(self, gm: GraphModule, device: torch.device) -> None:
+        super().__init__(gm)
+        self.device = device
+        self.samples: dict[str, list[float]] = {}
+
+    def run_node(self, n: Node) -> Any:
+        if n.op not in ("call_function", "call_method", "call_module"):
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)  # outside the timed span
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter_ns()
+        result = getattr(self, n.op)(n.target, args, kwargs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.samples.setdefault(n.name, []).append((time.perf_counter_ns() - start) / 1e9)
+        return result
 
 
 class _NodeProfiler(Interpreter):

@@ -202,7 +202,7 @@ class NodeProfile:
 
 def _latency(cost: GraphCost, node: Node) -> float:
     found = cost.by_node.get(node.name)
-    return found.latency_s if found is not None else 0.0
+    return found.stage_s if found is not None else 0.0
 
 
 def _attr(gm: GraphModule, node: Node) -> object:

@@ -211,3 +211,20 @@ def test_out_of_memory_while_timing_a_node_warns_and_estimates(
     assert len(linears) == 2 and not any(c.measured for c in linears)
     assert all(c.latency_s > 0 for c in linears)
     assert profile.by_node["relu"].measured
+
+
+def test_in_model_times_each_node_inside_whole_graph_runs(tmp_path: Path) -> None:
+    mlp = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
+    x = torch.randn(16, 32)
+    with torch.no_grad():
+        gm = export_graph(mlp, (x,), {})
+    cm = _model(tmp_path)
+    plain = cm.profile(gm, [x])
+    assert all(c.in_model_s is None and c.stage_s == c.latency_s for c in plain.nodes)
+    timed = cm.profile(gm, [x], in_model=True)
+    ops = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    assert ops and all(timed.by_node[n].in_model_s > 0 for n in ops)
+    assert all(timed.by_node[n].stage_s == timed.by_node[n].in_model_s for n in ops)
+    # The node's own (isolated) figure is unchanged: in-model times are extra, not a
+    # replacement, and never reach the cache (they hold for this graph only).
+    assert [timed.by_node[n].latency_s for n in ops] == [plain.by_node[n].latency_s for n in ops]
