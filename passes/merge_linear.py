@@ -55,6 +55,8 @@ def merge_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
         counts["merged_groups"] += 1
         counts["merged_linears"] += len(group)
     counts = {k: v for k, v in counts.items() if v}
+    if "merged_groups" in counts:
+        gm.recompile()
     return PassResult(gm, "merged_groups" in counts, counts)
 
 

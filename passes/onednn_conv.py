@@ -76,6 +76,7 @@ class PackedConv:
         self.__name__ = "onednn_conv2d"  # what FX prints and names the call's global
         self.weight, self.packed, self.geometry = weight, packed, geometry
         self.epilogue, self.add = epilogue, add
+        self.threads = torch.get_num_threads()  # what the packing and the choice were made for
         # The cost model keys measurements by op name and argument shapes; the weight is bound
         # here, not an argument, so the name carries its shape and the conv's geometry.
         padding, stride, dilation, groups = geometry
@@ -88,6 +89,14 @@ class PackedConv:
                  other: torch.Tensor | None = None) -> torch.Tensor:
         if x.device.type == "meta" or isinstance(x, FakeTensor):
             return self.reference(x, bias, other, x.new_empty(self.weight.shape))
+        threads = torch.get_num_threads()
+        if threads != self.threads:
+            # A weight packed for one thread count can run several times slower at another
+            # (measured: a dilated resnet50 6x slower packed at 2 threads, run at 1), so the
+            # weight is packed again for the new count, once.
+            self.packed = torch.ops.mkldnn._reorder_convolution_weight(
+                self.weight, *self.geometry, list(x.shape))
+            self.threads = threads
         padding, stride, dilation, groups = self.geometry
         name, scalars, algorithm = self.epilogue or ("none", [], "")
         if other is None:
@@ -174,6 +183,8 @@ def onednn_conv(gm: GraphModule, ctx: PassContext) -> PassResult:
         counts["fused_unary"] += bool(unary)
         counts["fused_add"] += add is not None
     counts = {k: v for k, v in counts.items() if v}
+    if "conv" in counts:
+        gm.recompile()
     return PassResult(gm, "conv" in counts, counts)
 
 
@@ -235,8 +246,11 @@ def _epilogue(conv: Node) -> tuple[Node | None, Node | None, list[tuple[Node, _E
     unary: list[tuple[Node, _Epilogue]] = []
     if len(users) == 1 and users[0].target in UNARY:
         kw = call_kwargs(users[0]) or {}
-        if kw.get("input", kw.get("self")) is tail:
-            unary = [(users[0], UNARY[users[0].target](kw))]
+        epilogue = UNARY[users[0].target](kw)
+        # After an add, oneDNN's binary kernel fuses ReLU only ("Unary Fusion behavior
+        # undefined" for the rest): other activations stay separate ops.
+        if kw.get("input", kw.get("self")) is tail and (add is None or epilogue[0] == "relu"):
+            unary = [(users[0], epilogue)]
     return add, other, unary
 
 
