@@ -503,7 +503,7 @@ def _roofline(w: _Workload, progress: Progress) -> GraphCost | None:
 
 def _optimized_graph(model: nn.Module) -> torch.fx.GraphModule | None:
     for spec in getattr(model, "_specializations", []):
-        graph = getattr(spec, "graph", None) or spec.run  # spec.run may be a CUDA graph
+        graph = spec.graph or spec.run  # spec.run may be a CUDA graph
         if isinstance(graph, torch.fx.GraphModule):
             return graph
     return None

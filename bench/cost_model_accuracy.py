@@ -210,6 +210,16 @@ def write_section(path: Path, section: str) -> None:
     path.write_text(text)
 
 
+def publish(section: str, *, write: bool, out: Path | None = None) -> None:
+    """Print a benchmark's table; also into ``out`` and, with ``write``, into its section of
+    docs/benchmarks.md."""
+    print(section)
+    if out is not None:
+        out.write_text(section)
+    if write:
+        write_section(ROOT / "docs" / "benchmarks.md", section)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -224,11 +234,7 @@ def main() -> int:
     rows = run(args.models.split(","), args.threads, args.rounds, args.device)
     command = "python bench/cost_model_accuracy.py " + " ".join(sys.argv[1:])
     section = table(rows, args.threads, command.strip(), args.device)
-    print(section)
-    if args.out:
-        args.out.write_text(section)
-    if args.write:
-        write_section(ROOT / "docs" / "benchmarks.md", section)
+    publish(section, write=args.write, out=args.out)
     return 0
 
 

@@ -14,6 +14,7 @@ fails or no GPU is present.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import subprocess
 import sys
@@ -145,41 +146,34 @@ def utilization_before_after(out: Path) -> list[str]:
     return rows
 
 
-def precision_speedups() -> list[str]:
-    """fp16 and bf16 over fp32 eager for resnet50 and BERT-base (bench/precision.py)."""
+def gpu_rows(script: str, check: str, table: Path | None = None) -> list[str]:
+    """The table ``gpu_rows()`` of ``bench/<script>.py`` gives (also written to ``table``), or
+    why it failed (so the other checks still report)."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
-        from precision import gpu_rows
+        rows = importlib.import_module(script).gpu_rows()
+    except Exception as exc:  # noqa: BLE001 - recorded, not fatal
+        return [f"{check} check failed: {type(exc).__name__}: {exc}"]
+    if table is not None:
+        table.write_text("\n".join(rows) + "\n")
+    return rows
 
-        return gpu_rows()
-    except Exception as exc:  # noqa: BLE001 - recorded, so the other checks still report
-        return [f"precision check failed: {type(exc).__name__}: {exc}"]
+
+def precision_speedups() -> list[str]:
+    """fp16 and bf16 over fp32 eager for resnet50 and BERT-base (bench/precision.py)."""
+    return gpu_rows("precision", "precision")
 
 
 def pipeline_rows() -> list[str]:
     """resnet50 pipelined over the GPUs, against eager (bench/partition.py)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        from partition import gpu_rows as pipeline_gpu_rows
-
-        return pipeline_gpu_rows()
-    except Exception as exc:  # noqa: BLE001 - recorded, so the other checks still report
-        return [f"pipeline check failed: {type(exc).__name__}: {exc}"]
+    return gpu_rows("partition", "pipeline")
 
 
 def memory_budget_rows(out: Path) -> list[str]:
     """GPT-2 training at 100/50/25% activation budgets (offload + recompute) against
     checkpointing every block, with peak max_memory_allocated (bench/memory.py); the table
     also goes to ``memory.md``."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        from memory import gpu_rows as memory_gpu_rows
-
-        rows = memory_gpu_rows()
-    except Exception as exc:  # noqa: BLE001 - recorded, so the other checks still report
-        return [f"memory budget check failed: {type(exc).__name__}: {exc}"]
-    (out / "memory.md").write_text("\n".join(rows) + "\n")
-    return rows
+    return gpu_rows("memory", "memory budget", out / "memory.md")
 
 
 if __name__ == "__main__":

@@ -31,10 +31,9 @@ from torch import nn
 
 import autoopt
 
-ROOT = Path(__file__).resolve().parent.parent
 transformers.logging.set_verbosity_error()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cost_model_accuracy import write_section  # noqa: E402
+from cost_model_accuracy import publish  # noqa: E402
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -217,11 +216,7 @@ def main() -> int:
                                                    row["median"].items()), flush=True)
     section = table(rows, args.threads, "python bench/inference.py " + " ".join(sys.argv[1:]),
                     args.device)
-    print(section)
-    if args.out:
-        args.out.write_text(section)
-    if args.write:
-        write_section(ROOT / "docs" / "benchmarks.md", section)
+    publish(section, write=args.write, out=args.out)
     return 0
 
 

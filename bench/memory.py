@@ -30,9 +30,8 @@ import torch
 import transformers
 from torch import nn
 
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cost_model_accuracy import write_section  # noqa: E402
+from cost_model_accuracy import publish  # noqa: E402
 
 import autoopt  # noqa: E402
 from autoopt.offload import saved_bytes_counter  # noqa: E402
@@ -199,9 +198,7 @@ def main() -> int:
     found, facts = run(args.device, args.rounds, args.threads)
     command = ("python bench/memory.py " + " ".join(sys.argv[1:])).strip()
     section = table(found, facts, args.device, args.threads, command)
-    print(section)
-    if args.write:
-        write_section(ROOT / "docs" / "benchmarks.md", section)
+    publish(section, write=args.write)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "memory.md").write_text(section)

@@ -32,12 +32,11 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from cost_model_accuracy import MODELS, write_section
+from cost_model_accuracy import MODELS, publish
 from torch import nn
 from torch.fx import GraphModule
 
@@ -54,7 +53,6 @@ from autoopt.passes.partition import (
 )
 from autoopt.pipelining import emit_stages, refine_by_measurement
 
-ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("autoopt", "uniform-by-layer", "parameter-count")
 
 
@@ -307,9 +305,7 @@ def main() -> int:
     command = "python bench/partition.py " + " ".join(sys.argv[1:])
     section = table(rows, args.threads, args.rounds, command.strip(), large,
                     (load, os.getloadavg()[0]))
-    print(section)
-    if args.write:
-        write_section(ROOT / "docs" / "benchmarks.md", section)
+    publish(section, write=args.write)
     return 0
 
 

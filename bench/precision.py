@@ -28,10 +28,9 @@ from torch import nn
 
 import autoopt
 
-ROOT = Path(__file__).resolve().parent.parent
 transformers.logging.set_verbosity_error()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cost_model_accuracy import write_section  # noqa: E402
+from cost_model_accuracy import publish  # noqa: E402
 
 Case = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
 
@@ -166,9 +165,7 @@ def main() -> int:
             for row in bench_one(name, args.batch, args.rounds)]
     command = ("python bench/precision.py " + " ".join(sys.argv[1:])).strip()
     section = table(rows, args.threads, args.rounds, command)
-    print(section)
-    if args.write:
-        write_section(ROOT / "docs" / "benchmarks.md", section)
+    publish(section, write=args.write)
     return 0
 
 

@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import logging
 import statistics
-import time
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from .estimate import (
     tensor_bytes,
     value_spec,
 )
-from .timing import median_seconds
+from .timing import median_seconds, timed
 
 log = logging.getLogger(__name__)
 
@@ -312,13 +311,9 @@ class _InModelTimer(Interpreter):
         if n.op not in ("call_function", "call_method", "call_module"):
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)  # outside the timed span
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        start = time.perf_counter_ns()
-        result = getattr(self, n.op)(n.target, args, kwargs)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.samples.setdefault(n.name, []).append((time.perf_counter_ns() - start) / 1e9)
+        result, seconds = timed(lambda: getattr(self, n.op)(n.target, args, kwargs),
+                                self.device)
+        self.samples.setdefault(n.name, []).append(seconds)
         return result
 
 

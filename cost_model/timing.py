@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -45,3 +46,15 @@ def median_seconds(fn: Callable[[int], object], device: torch.device, *, warmup:
         if spent > budget_s and len(samples) >= 3:
             break
     return statistics.median(samples)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    """``fn()``'s result and its wall seconds up to the end of its work on ``device`` (one
+    call where it stands, e.g. a node inside a model run; no warm-up, no repeats)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter_ns()
+    result = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return result, (time.perf_counter_ns() - start) / 1e9

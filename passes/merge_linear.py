@@ -41,17 +41,19 @@ def merge_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, False)
     measure = bool(ctx.options.get("measure", True)) and ctx.cost is not None
     counts = {"merged_groups": 0, "merged_linears": 0, "kept_separate": 0}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}  # the original nodes keep theirs
     for x in list(gm.graph.nodes):
-        group = _siblings(gm, x)
+        group = _siblings(gm, x, order)
         if len(group) < 2:
             continue
-        weights = [attr(gm, kw["weight"]) for _, kw in group]
-        biases = [attr(gm, kw["bias"]) if kw.get("bias") is not None else None
-                  for _, kw in group]
-        if measure and not _pays(ctx, meta_val(x), weights, biases):
+        linears = [node for node, _, _ in group]
+        weights = [w for _, w, _ in group]
+        biases = [b for _, _, b in group]
+        weight, bias = _stacked(weights, biases)
+        if measure and not _pays(ctx, meta_val(x), weights, biases, weight, bias):
             counts["kept_separate"] += 1
             continue
-        _merge(gm, x, [node for node, _ in group], weights, biases)
+        _merge(gm, x, linears, weight, bias, [w.shape[0] for w in weights])
         counts["merged_groups"] += 1
         counts["merged_linears"] += len(group)
     counts = {k: v for k, v in counts.items() if v}
@@ -60,9 +62,13 @@ def merge_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
     return PassResult(gm, "merged_groups" in counts, counts)
 
 
-def _siblings(gm: GraphModule, x: Node) -> list[tuple[Node, dict]]:
-    """The linear ops reading ``x`` whose weights (and biases) are constant tensors of one
-    dtype and device, as (node, arguments by name)."""
+def _siblings(gm: GraphModule, x: Node, order: dict[Node, int],
+              ) -> list[tuple[Node, torch.Tensor, torch.Tensor | None]]:
+    """The linear ops reading ``x`` whose weights (and biases) are constant tensors of x's
+    dtype on one device, in graph order, as (node, weight, bias)."""
+    value = meta_val(x)
+    if not isinstance(value, torch.Tensor):
+        return []
     found = []
     for user in x.users:
         if user.target not in LINEAR:
@@ -74,19 +80,16 @@ def _siblings(gm: GraphModule, x: Node) -> list[tuple[Node, dict]]:
         w = attr(gm, weight) if isinstance(weight, Node) and weight.op == "get_attr" else None
         if not isinstance(w, torch.Tensor) or w.dim() != 2:
             continue
+        b = None
         if bias is not None:
             b = attr(gm, bias) if isinstance(bias, Node) and bias.op == "get_attr" else None
             if not isinstance(b, torch.Tensor) or b.shape != w.shape[:1] or b.dtype != w.dtype:
                 continue
-        found.append((user, kw))
-    value = meta_val(x)
-    if not isinstance(value, torch.Tensor):
-        return []
-    kinds = {(attr(gm, kw["weight"]).dtype, attr(gm, kw["weight"]).device) for _, kw in found}
+        found.append((user, w, b))
+    kinds = {(w.dtype, w.device) for _, w, _ in found}
     if len(kinds) != 1 or next(iter(kinds))[0] != value.dtype:
         return []
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return sorted(found, key=lambda pair: order[pair[0]])
+    return sorted(found, key=lambda item: order[item[0]])
 
 
 def _stacked(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None],
@@ -99,10 +102,8 @@ def _stacked(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | No
     return weight, bias
 
 
-def _merge(gm: GraphModule, x: Node, linears: Sequence[Node], weights: Sequence[torch.Tensor],
-           biases: Sequence[torch.Tensor | None]) -> None:
-    weight, bias = _stacked(weights, biases)
-    sizes = [w.shape[0] for w in weights]
+def _merge(gm: GraphModule, x: Node, linears: Sequence[Node], weight: torch.Tensor,
+           bias: torch.Tensor | None, sizes: list[int]) -> None:
     graph = gm.graph
     with graph.inserting_before(linears[0]):  # x and the weights exist by then
         w_node = add_constant(gm, "merged_linear_weight", weight)
@@ -121,13 +122,13 @@ def _merge(gm: GraphModule, x: Node, linears: Sequence[Node], weights: Sequence[
 
 
 def _pays(ctx: PassContext, x_meta: torch.Tensor, weights: Sequence[torch.Tensor],
-          biases: Sequence[torch.Tensor | None]) -> bool:
-    """Whether the merged form measures at least as fast as the separate linears, on a random
-    input of the real shape."""
+          biases: Sequence[torch.Tensor | None], weight: torch.Tensor,
+          bias: torch.Tensor | None) -> bool:
+    """Whether the merged form (``weight``, ``bias``: the stacked ones) measures at least as
+    fast as the separate linears, on a random input of the real shape."""
     if not all(isinstance(s, int) for s in x_meta.shape):
         return False  # a symbolic size: no single shape to measure at
     x = torch.randn(x_meta.shape, dtype=x_meta.dtype, device=weights[0].device)
-    weight, bias = _stacked(weights, biases)
     sizes = [w.shape[0] for w in weights]
     what = (f"linear_group|{tuple(x.shape)}|{[tuple(w.shape) for w in weights]}|{x.dtype}|"
             f"bias={[b is not None for b in biases]}")
