@@ -307,7 +307,10 @@ def test_fp16_training_with_grad_scaler_tracks_fp32_on_cuda() -> None:
 
 def test_int8_quantizes_bert_linears_within_tolerance() -> None:
     model, args, kwargs = bert()
-    fast = autoopt.optimize(model, args, kwargs, precision="int8", tolerance=5e-2)
+    # Every one of the model's 13 linears: merge_linear, which fuses Q/K/V where it measures
+    # faster on this machine, would make that count depend on the machine.
+    fast = autoopt.optimize(model, args, kwargs, precision="int8", tolerance=5e-2,
+                            disable=("merge_linear",))
     summary = fast.report.captures[0].precision
     assert summary is not None and summary.precision == "int8" and summary.low_ops == 13
     graph = fast._specializations[0].run.graph
