@@ -7,7 +7,7 @@ call of under 8 minutes covers it): the inference benchmark on CUDA (eager, auto
 torch.compile, ONNX Runtime), the CUDA cost model's accuracy, fp16/bf16 speedups, the training
 memory budget (offload + recompute), GPU utilization before/after ``optimize`` and a pipeline
 over the GPUs. Writes ``gpu_check.md`` (everything), one ``.md`` table per benchmark,
-``pytest-gpu.xml`` (JUnit) and ``device.json`` under ``--out``. Exits non-zero if a GPU test
+``pytest-gpu.log`` and ``device.json`` under ``--out``. Exits non-zero if a GPU test
 fails or no GPU is present.
 """
 
@@ -54,27 +54,25 @@ def main() -> int:
         print("no CUDA GPU: nothing to check", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p",
-                           "no:cacheprovider", f"--junitxml={args.out / 'pytest-gpu.xml'}",
-                           str(ROOT / "tests")], capture_output=True, text=True,
-                          timeout=args.timeout, cwd=ROOT)
+    returncode, tail = run_gpu_tests(args.out / "pytest-gpu.log", args.timeout)
     seconds = time.perf_counter() - start
-    tail = "\n".join(done.stdout.strip().splitlines()[-15:])
     summary = [f"# GPU check ({facts.get('name')}, torch {facts['torch']})", "",
-               f"`python bench/gpu_check.py --out OUT`: gpu tests exit code {done.returncode} "
+               f"`python bench/gpu_check.py --out OUT`: gpu tests exit code {returncode} "
                f"in {seconds:.0f} s", "", "```", tail, "```"]
-    # Most informative first: a step that would start past the budget is skipped, so the
-    # whole check fits in one device call (each step reports its own failure).
+    print("\n".join(summary), flush=True)
+    # Most informative first (the open issues' GPU items, then the benchmarks): a step that
+    # would start past the budget is skipped, so the whole check fits in one device call
+    # (each step reports its own failure).
     steps: list[tuple[str, Callable[[], list[str]], int]] = [
+        ("precision", precision_speedups, 40),
+        ("memory budget", lambda: memory_budget_rows(args.out), 40),
+        ("utilization", lambda: utilization_before_after(args.out), 40),
+        ("pipeline", pipeline_rows, 20),
         ("inference benchmark", lambda: bench_table(args.out, "inference", [
             "--device", "cuda", "--models", "resnet50,bert-base", "--batches", "8",
             "--rounds", "10"], 180), 60),
         ("cost model accuracy", lambda: bench_table(args.out, "cost_model_accuracy", [
             "--device", "cuda", "--models", "resnet50,bert-base", "--rounds", "3"], 120), 40),
-        ("precision", precision_speedups, 40),
-        ("memory budget", lambda: memory_budget_rows(args.out), 40),
-        ("utilization", lambda: utilization_before_after(args.out), 40),
-        ("pipeline", pipeline_rows, 20),
     ]
     for name, step, needs_s in steps:
         elapsed = time.perf_counter() - start
@@ -83,10 +81,29 @@ def main() -> int:
                         f"spent (run it alone, or raise --budget)"]
             continue
         step_start = time.perf_counter()
-        summary += ["", *step(), f"({name}: {time.perf_counter() - step_start:.0f} s)"]
+        rows = ["", *step(), f"({name}: {time.perf_counter() - step_start:.0f} s)"]
+        summary += rows
+        # Written after every step, so a call stopped at its time limit still brings back
+        # what had finished.
+        (args.out / "gpu_check.md").write_text("\n".join(summary) + "\n")
+        print("\n".join(rows), flush=True)
     (args.out / "gpu_check.md").write_text("\n".join(summary) + "\n")
-    print("\n".join(summary))
-    return done.returncode
+    return returncode
+
+
+def run_gpu_tests(log: Path, timeout_s: int) -> tuple[int, str]:
+    """The tests marked ``gpu``, their output streamed to ``log`` (so a run stopped at its
+    limit still shows how far it got); the exit code (124 when stopped) and the log's tail."""
+    with log.open("w") as sink:
+        try:
+            code = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs",
+                                   "-p", "no:cacheprovider", str(ROOT / "tests")],
+                                  stdout=sink, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                  cwd=ROOT).returncode
+        except subprocess.TimeoutExpired:
+            code = 124
+    lines = log.read_text().strip().splitlines()
+    return code, "\n".join(lines[-25:])
 
 
 def bench_table(out: Path, script: str, options: list[str], timeout_s: int) -> list[str]:

@@ -12,6 +12,7 @@ the caller supplies (``autoopt.offload``); this module knows nothing of streams 
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,14 @@ from autoopt.cost_model.stages import split_stages
 from .memory_plan import KEEP, OFFLOAD, RECOMPUTE, SELECTIVE, MemoryPlan
 
 OffloadWrap = Callable[[nn.Module, int], nn.Module]
+
+# The results a selective recompute keeps go through enclosing saved-tensor hooks like any
+# saved tensor (so hooks that count or offload saved tensors see them). PyTorch before 2.12
+# has no such option (it would pass it on to the segment): there the kept results stay in
+# the checkpoint's own storage, held on the device, unseen by enclosing hooks.
+_CHECKPOINT_OPTIONS = ({"respect_saved_tensors_hooks": True}
+                       if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
+                       else {})
 
 
 class Recompute(nn.Module):
@@ -68,10 +77,8 @@ class Recompute(nn.Module):
                         tensor.copy_(value)
 
         context = _selective_contexts if self.selective else noop_context_fn
-        # The results a selective recompute keeps go through enclosing saved-tensor hooks
-        # like any saved tensor (so hooks that count or offload saved tensors see them).
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
-                          context_fn=context, respect_saved_tensors_hooks=True)
+                          context_fn=context, **_CHECKPOINT_OPTIONS)
 
 
 # Kernels whose results a selective recompute keeps from forward instead of running again
