@@ -111,6 +111,7 @@ def bench_one(name: str, batch: int, rounds: int, device: str = "cpu") -> dict[s
     runners: dict[str, Callable[[], Any]] = {}
     prepare: dict[str, float] = {}
     memory: dict[str, float] = {}
+    failures: dict[str, str] = {}  # runner -> why it has no time (shown in its cell)
     with torch.no_grad():
         runners["eager"] = lambda: model(*args, **kwargs)
         for label, build in (
@@ -131,6 +132,7 @@ def bench_one(name: str, batch: int, rounds: int, device: str = "cpu") -> dict[s
                 prepare["onnxruntime"] = time.perf_counter() - start
                 memory["onnxruntime"] = _rss_mib() - before
             except Exception as exc:  # noqa: BLE001 - a failed export is a row entry, not a crash
+                failures["onnxruntime"] = _reason(exc)
                 print(f"  onnxruntime failed on {name}: {type(exc).__name__}: {exc}",
                       file=sys.stderr)
             try:
@@ -145,6 +147,7 @@ def bench_one(name: str, batch: int, rounds: int, device: str = "cpu") -> dict[s
                 prepare["autoopt→onnxruntime"] = time.perf_counter() - start
                 memory["autoopt→onnxruntime"] = _rss_mib() - before
             except Exception as exc:  # noqa: BLE001
+                failures["autoopt→onnxruntime"] = _reason(exc)
                 print(f"  autoopt→onnxruntime failed on {name}: {type(exc).__name__}: {exc}",
                       file=sys.stderr)
             reference = _first_tensor(runners["eager"]())
@@ -159,7 +162,13 @@ def bench_one(name: str, batch: int, rounds: int, device: str = "cpu") -> dict[s
                     times[label].append(time.perf_counter() - start)
     median = {k: statistics.median(v) for k, v in times.items()}
     return {"model": name, "batch": batch, "median": median, "prepare": prepare,
-            "memory": memory, "errors": errors}
+            "memory": memory, "errors": errors, "failures": failures}
+
+
+def _reason(exc: Exception) -> str:
+    """An exception's first line, short enough for a table cell."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return f"{text[:77]}..." if len(text) > 80 else text
 
 
 def table(rows: list[dict[str, Any]], threads: int, command: str, device: str = "cpu") -> str:
@@ -182,9 +191,10 @@ def table(rows: list[dict[str, Any]], threads: int, command: str, device: str = 
     for r in rows:
         m, p = r["median"], r["prepare"]
         eager = m["eager"]
+        why = r.get("failures", {})
         cell = {label: f"{m[label] * 1e3:.1f} ms ({eager / m[label]:.2f}×)" if label in m
-                else "failed" for label in ("autoopt", "torch.compile", "onnxruntime",
-                                            "autoopt→onnxruntime")}
+                else f"failed: {why.get(label, '?')}"
+                for label in ("autoopt", "torch.compile", "onnxruntime", "autoopt→onnxruntime")}
         speedups.append(eager / m["autoopt"])
         lines.append(f"| {r['model']} | {r['batch']} | {eager * 1e3:.1f} | {cell['autoopt']} | "
                      f"{cell['torch.compile']} | {cell['onnxruntime']} | "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import autoopt
+from autoopt.diagnose import Remedy
 from autoopt.errors import ConfigError, InputError, ModelError
 from autoopt.sampler import UtilizationSampler
 
@@ -225,3 +227,24 @@ def test_cli_errors_say_what_to_pass(capsys: pytest.CaptureFixture[str]) -> None
     assert "no such Python file 'nowhere.py'" in capsys.readouterr().err
     assert main(["diagnose", "torchvision.models:resnet18", "--loader", "math:pi"]) == 2
     assert "gave float, not an iterable of batches" in capsys.readouterr().err
+
+
+def test_apply_drops_a_remedy_that_makes_the_step_slower(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A memory budget at its smallest recomputes nearly every segment: backward runs the
+    # forward again, about a third more work. apply must measure that and keep the passes
+    # alone (memory was not what this workload lacked).
+    torch.manual_seed(0)
+    layers = [m for _ in range(6) for m in (nn.Linear(1024, 1024), nn.GELU())]
+    model = nn.Sequential(*layers).train()
+    x = torch.randn(128, 1024)
+    with pytest.raises(ConfigError) as refused:
+        autoopt.optimize(model, (x,), training=True, memory_budget=1)
+    smallest = int(re.search(r"memory_budget=(\d+) or more", str(refused.value)).group(1))
+    recompute = Remedy("offload", "optimize(..., memory_budget=...)",
+                       {"memory_budget": smallest, "memory_modes": ("keep", "recompute")})
+    diagnosis = autoopt.diagnose(model, x, training=True, steps=8, roofline=False,
+                                 loss_fn=lambda out, batch: out.square().mean())
+    monkeypatch.setattr(type(diagnosis), "remedies", lambda self: [recompute])
+    result = diagnosis.apply()
+    assert result.applied == ["fusion"], str(result)
+    assert any("memory_budget=" in n and "not applied" in n for n in result.notes), result.notes

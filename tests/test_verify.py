@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
-from autoopt.verify import Tolerance, compare, fresh_like, input_sets
+from autoopt.verify import Tolerance, compare, fresh_like, input_sets, tf32_enabled
 
 
 def test_within_float32_tolerance_passes_and_beyond_fails() -> None:
@@ -82,3 +83,39 @@ def test_input_sets_start_with_the_example_and_walk_containers() -> None:
     assert sets[0][0][0] is xs
     assert [t.shape for t in sets[1][0][0]] == [torch.Size([2]), torch.Size([3])]
     assert sets[2][1] == {"scale": 2.0}
+
+
+def test_tf32_follows_pytorch_settings_and_cpu_fp32_stays_strict() -> None:
+    conv, matmul = torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()
+    try:
+        torch.backends.cudnn.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+        assert not tf32_enabled()
+        torch.set_float32_matmul_precision("high")
+        assert tf32_enabled()
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32 = True
+        assert tf32_enabled()
+        x = torch.randn(100)  # on the CPU, TF32 never applies: fp32's tolerance holds
+        assert not compare(x, x + 5e-4 * torch.randn(100)).ok
+    finally:
+        torch.backends.cudnn.allow_tf32 = conv
+        torch.set_float32_matmul_precision(matmul)
+
+
+@pytest.mark.gpu
+def test_cuda_fp32_gets_tf32_room_unless_tf32_is_off_or_the_user_sets_fp32() -> None:
+    x = torch.randn(1000, device="cuda")
+    noisy = x + 3e-4 * torch.randn(1000, device="cuda")  # TF32-sized rounding, not fp32's
+    conv = torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = True
+        result = compare(x, noisy)
+        assert result.ok, result.detail
+        assert not compare(x, noisy, {torch.float32: Tolerance(rtol=1e-4, atol=1e-5)}).ok
+        assert not compare(x, x + 1e-2 * torch.randn(1000, device="cuda")).ok
+        torch.backends.cudnn.allow_tf32 = False
+        failed = compare(x, noisy)
+        assert not failed.ok and "TF32" not in failed.detail
+    finally:
+        torch.backends.cudnn.allow_tf32 = conv
