@@ -3,10 +3,10 @@
     python bench/gpu_check.py --out "$OUT"
 
 Runs the tests marked ``gpu``, then, within ``--budget`` seconds (default 450, so one device
-call of under 8 minutes covers it): the inference benchmark on CUDA (eager, autoopt,
-torch.compile, ONNX Runtime), the CUDA cost model's accuracy, fp16/bf16 speedups, the training
-memory budget (offload + recompute), GPU utilization before/after ``optimize`` and a pipeline
-over the GPUs. Writes ``gpu_check.md`` (everything), one ``.md`` table per benchmark,
+call of under 8 minutes covers it): fp16/bf16 inference speedups, the training memory budget
+(offload + recompute), GPU utilization before/after ``optimize``, bf16 training, a pipeline
+over the GPUs, the inference benchmark on CUDA (eager, autoopt, torch.compile, ONNX Runtime)
+and the CUDA cost model's accuracy (``--skip`` leaves steps out). Writes ``gpu_check.md`` (everything), one ``.md`` table per benchmark,
 ``pytest-gpu.log`` and ``device.json`` under ``--out``. Exits non-zero if a GPU test
 fails or no GPU is present.
 """
@@ -46,7 +46,10 @@ def main() -> int:
     parser.add_argument("--budget", type=int, default=450,
                         help="seconds for the whole check; steps that would start after it "
                              "are skipped (and say so)")
+    parser.add_argument("--skip", default="", help="comma-separated steps not to run, e.g. "
+                        "'precision,memory budget' (their tables are already recorded)")
     args = parser.parse_args()
+    skip = {name.strip() for name in args.skip.split(",") if name.strip()}
     args.out.mkdir(parents=True, exist_ok=True)
     facts = device_facts()
     (args.out / "device.json").write_text(json.dumps(facts, indent=2))
@@ -67,6 +70,8 @@ def main() -> int:
         ("precision", precision_speedups, 40),
         ("memory budget", lambda: memory_budget_rows(args.out), 40),
         ("utilization", lambda: utilization_before_after(args.out), 40),
+        ("training precision", lambda: gpu_rows("training_precision", "training precision"),
+         30),
         ("pipeline", pipeline_rows, 20),
         ("inference benchmark", lambda: bench_table(args.out, "inference", [
             "--device", "cuda", "--models", "resnet50,bert-base", "--batches", "8",
@@ -74,7 +79,13 @@ def main() -> int:
         ("cost model accuracy", lambda: bench_table(args.out, "cost_model_accuracy", [
             "--device", "cuda", "--models", "resnet50,bert-base", "--rounds", "3"], 120), 40),
     ]
+    unknown = skip - {name for name, _, _ in steps}
+    if unknown:
+        parser.error(f"--skip {sorted(unknown)}: no such step; steps are "
+                     f"{[name for name, _, _ in steps]}")
     for name, step, needs_s in steps:
+        if name in skip:
+            continue
         elapsed = time.perf_counter() - start
         if elapsed + needs_s > args.budget:
             summary += ["", f"{name}: skipped, {elapsed:.0f} s of the {args.budget} s budget "

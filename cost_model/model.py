@@ -215,14 +215,24 @@ class CostModel:
 
     def _time_in_model(self, gm: GraphModule, inputs: list[Any], training: bool,
                        runs: int = 5) -> dict[str, float]:
-        """Median seconds of each op node over ``runs`` whole-graph runs, each node bracketed
-        by clock reads (and device syncs) as it runs in order."""
+        """Median seconds of each op node over ``runs`` whole-graph runs, each node timed as
+        it runs in order: between clock reads (and device syncs) on a CPU, as its share of
+        the stream's timeline on CUDA."""
         timer = _InModelTimer(gm, self.device)
         with torch.no_grad() if not training else contextlib.nullcontext():
             timer.run(*inputs)  # warm-up
             timer.samples.clear()
+            timer.totals.clear()
             for _ in range(runs):
                 timer.run(*inputs)
+            if self.device.type == "cuda" and timer.totals:
+                # The interpreter's own host work between nodes stretches a launch-bound
+                # timeline; the graph's generated code has less. Scale the nodes' shares to
+                # the graph's own run time, so stages add up to what the graph takes.
+                whole = median_seconds(lambda i: gm(*inputs), self.device, warmup=1,
+                                       repeats=runs)
+                scale = whole / statistics.median(timer.totals)
+                timer.samples = {n: [t * scale for t in s] for n, s in timer.samples.items()}
         return {name: statistics.median(s) for name, s in timer.samples.items()}
 
     def _fit_calibration(self, measured: dict[str, NodeCost], gm: GraphModule) -> None:
@@ -306,16 +316,25 @@ class _InModelTimer(Interpreter):
         super().__init__(gm)
         self.device = device
         self.samples: dict[str, list[float]] = {}
-        # On CUDA: (node, start, end) events of the current run, read once it has finished.
-        self._events: list[tuple[str, Any, Any]] = []
+        # On CUDA: the run's first event, then (node, event after it), read once it finished.
+        self._first: Any = None
+        self._events: list[tuple[str, Any]] = []
+        self.totals: list[float] = []  # on CUDA: each run's timeline, first event to last
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
+        if self.device.type != "cuda":
+            return super().run(*args, **kwargs)
+        self._first = torch.cuda.Event(enable_timing=True)
+        self._first.record()
         result = super().run(*args, **kwargs)
+        torch.cuda.synchronize(self.device)
+        previous = self._first
+        for name, end in self._events:
+            self.samples.setdefault(name, []).append(previous.elapsed_time(end) / 1e3)
+            previous = end
         if self._events:
-            torch.cuda.synchronize(self.device)
-            for name, start, end in self._events:
-                self.samples.setdefault(name, []).append(start.elapsed_time(end) / 1e3)
-            self._events.clear()
+            self.totals.append(self._first.elapsed_time(previous) / 1e3)
+        self._events.clear()
         return result
 
     def run_node(self, n: Node) -> Any:
@@ -324,13 +343,13 @@ class _InModelTimer(Interpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(n)  # outside the timed span
         if self.device.type == "cuda":
             # Events in the stream, no syncs: a node's time is what it adds to the stream's
-            # timeline as the model runs (its kernels when the GPU is behind, its launch too
-            # when the host is), so a launch-bound model is timed as it runs, not stalled.
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
+            # timeline, from the previous node's end to its own (its kernels when the GPU is
+            # behind, its launch when the host is), so a launch-bound model is timed as it
+            # runs, not stalled by a sync per node.
             result = getattr(self, n.op)(n.target, args, kwargs)
+            end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._events.append((n.name, start, end))
+            self._events.append((n.name, end))
             return result
         result, seconds = timed(lambda: getattr(self, n.op)(n.target, args, kwargs),
                                 self.device)
