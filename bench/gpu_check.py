@@ -6,9 +6,9 @@ Runs the tests marked ``gpu``, then, within ``--budget`` seconds (default 450, s
 call of under 8 minutes covers it): fp16/bf16 inference speedups, the training memory budget
 (offload + recompute), GPU utilization before/after ``optimize``, bf16 training, a pipeline
 over the GPUs, the inference benchmark on CUDA (eager, autoopt, torch.compile, ONNX Runtime)
-and the CUDA cost model's accuracy (``--skip`` leaves steps out). Writes ``gpu_check.md`` (everything), one ``.md`` table per benchmark,
-``pytest-gpu.log`` and ``device.json`` under ``--out``. Exits non-zero if a GPU test
-fails or no GPU is present.
+and the CUDA cost model's accuracy (``--skip`` leaves steps out). Writes ``gpu_check.md``
+(everything), one ``.md`` table per benchmark, ``pytest-gpu.log`` and ``device.json`` under
+``--out``. Exits non-zero if a GPU test fails or no GPU is present.
 """
 
 from __future__ import annotations
