@@ -316,24 +316,23 @@ class _InModelTimer(Interpreter):
         super().__init__(gm)
         self.device = device
         self.samples: dict[str, list[float]] = {}
-        # On CUDA: the run's first event, then (node, event after it), read once it finished.
-        self._first: Any = None
+        # On CUDA: (node, event after it) of the current run, read once it has finished.
         self._events: list[tuple[str, Any]] = []
         self.totals: list[float] = []  # on CUDA: each run's timeline, first event to last
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         if self.device.type != "cuda":
             return super().run(*args, **kwargs)
-        self._first = torch.cuda.Event(enable_timing=True)
-        self._first.record()
+        first = torch.cuda.Event(enable_timing=True)
+        first.record()
         result = super().run(*args, **kwargs)
         torch.cuda.synchronize(self.device)
-        previous = self._first
+        previous = first
         for name, end in self._events:
             self.samples.setdefault(name, []).append(previous.elapsed_time(end) / 1e3)
             previous = end
         if self._events:
-            self.totals.append(self._first.elapsed_time(previous) / 1e3)
+            self.totals.append(first.elapsed_time(previous) / 1e3)
         self._events.clear()
         return result
 
