@@ -35,6 +35,15 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for the test, restored after it (tests that time real runs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_cost_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Tests measure into their own cost cache, never the user's ~/.cache/autoopt."""

@@ -17,6 +17,9 @@ from autoopt.diagnose import Remedy
 from autoopt.errors import ConfigError, InputError, ModelError
 from autoopt.sampler import UtilizationSampler
 
+# Real runs are timed here: one intra-op thread, as the benchmarks use (conftest).
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 class _SlowImages(Dataset):
     """A dataset that takes 5 ms per image: a deliberately input-bound pipeline."""
@@ -51,14 +54,6 @@ class _ManySmallOps(nn.Module):
             x = torch.tanh(layer(x)) * 0.5 + x
             x = x - x.mean()
         return x
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_slow_dataloader_is_diagnosed_as_data_loading() -> None:

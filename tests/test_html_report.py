@@ -16,6 +16,9 @@ import autoopt
 from autoopt.errors import ConfigError
 from autoopt.html_report import ReportData, collect, render_html, write_report
 
+# Real runs are timed here: one intra-op thread, as the benchmarks use (conftest).
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 _SECTIONS = ("Before / after latency", "Diagnosis: where step time goes",
              "Per-op time breakdown", "Utilization over time", "What each pass changed",
              "Precision map", "Stage partition", "Memory plan")
@@ -45,14 +48,6 @@ def _assert_self_contained(text: str) -> _Structure:
     parser.feed(text)
     assert parser.external == []
     return parser
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.slow
