@@ -56,6 +56,15 @@ def _rewrite(model: nn.Module, shape: tuple[int, ...], **ctx_args: object
     return result.graph_module, dict(result.counts)
 
 
+def _assert_same_function(gm: GraphModule, model: nn.Module, shape: tuple[int, ...],
+                          draws: int = 1) -> None:
+    """The rewritten graph gives the model's outputs on ``draws`` fresh inputs."""
+    for _ in range(draws):
+        x = torch.randn(shape)
+        with torch.no_grad():
+            torch.testing.assert_close(gm(x), model(x), rtol=1e-5, atol=1e-5)
+
+
 def test_before_becomes_two_fused_calls() -> None:
     gm, counts = _rewrite(Before(), (2, 8, 10, 10))
     assert counts == {"conv": 2, "fused_unary": 2, "fused_add": 1}
@@ -81,10 +90,7 @@ def test_matches_eager_for_each_activation(name: str) -> None:
     gm, counts = _rewrite(model, (2, 8, 10, 10))
     assert counts["conv"] == 2
     assert counts["fused_unary"] == (1 if name.endswith("unfused") else 2)
-    for _ in range(3):
-        x = torch.randn(2, 8, 10, 10)
-        with torch.no_grad():
-            torch.testing.assert_close(gm(x), model(x), rtol=1e-5, atol=1e-5)
+    _assert_same_function(gm, model, (2, 8, 10, 10), draws=3)
 
 
 # Convolution shapes: stride, dilation, groups (depthwise), no bias, a 1x1 projection.
@@ -105,10 +111,7 @@ def test_matches_eager_for_each_geometry(name: str) -> None:
     shape = (3, conv.in_channels, 11, 13)
     gm, counts = _rewrite(model, shape)
     assert counts == {"conv": 1, "fused_unary": 1}
-    for _ in range(3):
-        x = torch.randn(shape)
-        with torch.no_grad():
-            torch.testing.assert_close(gm(x), model(x), rtol=1e-5, atol=1e-5)
+    _assert_same_function(gm, model, shape, draws=3)
 
 
 def test_fuses_an_out_of_place_add_with_the_conv_second() -> None:
@@ -125,9 +128,7 @@ def test_fuses_an_out_of_place_add_with_the_conv_second() -> None:
     # oneDNN fuses only ReLU after an add: the SiLU stays a separate op.
     assert counts == {"conv": 1, "fused_add": 1}
     assert aten.silu.default in _targets(gm)
-    x = torch.randn(2, 4, 6, 6)
-    with torch.no_grad():
-        torch.testing.assert_close(gm(x), model(x), rtol=1e-5, atol=1e-5)
+    _assert_same_function(gm, model, (2, 4, 6, 6))
 
 
 def test_does_not_fuse_an_add_that_writes_into_the_other_operand() -> None:
@@ -148,9 +149,7 @@ def test_does_not_fuse_an_add_that_writes_into_the_other_operand() -> None:
     gm, counts = _rewrite(model, (2, 4, 6, 6))
     assert counts == {"conv": 1}
     assert aten.add_.Tensor in _targets(gm)
-    x = torch.randn(2, 4, 6, 6)
-    with torch.no_grad():
-        torch.testing.assert_close(gm(x), model(x), rtol=1e-5, atol=1e-5)
+    _assert_same_function(gm, model, (2, 4, 6, 6))
 
 
 def test_does_not_fuse_a_broadcasting_add_or_a_shared_output() -> None:
@@ -170,9 +169,7 @@ def test_does_not_fuse_a_broadcasting_add_or_a_shared_output() -> None:
     # relu is.
     assert counts == {"conv": 2, "fused_unary": 1}
     assert aten.add.Tensor in _targets(gm)
-    x = torch.randn(2, 4, 6, 6)
-    with torch.no_grad():
-        torch.testing.assert_close(gm(x), model(x), rtol=1e-5, atol=1e-5)
+    _assert_same_function(gm, model, (2, 4, 6, 6))
 
 
 def test_does_not_fire_when_training_or_on_symbolic_shapes() -> None:
