@@ -167,12 +167,14 @@ class Diagnosis:
             # A remedy named from evidence can still lose here (casts around kept-fp32 ops
             # outweighing faster matmuls, say): measure without the options it added, and
             # keep whichever runs faster.
-            plain = self._run_optimized(dict(options), steps, progress)
-            if plain[1].step.total_s < after.step.total_s:
+            plain_fast, plain_after, plain_prefetch = self._run_optimized(
+                dict(options), steps, progress)
+            if plain_after.step.total_s < after.step.total_s:
                 notes.append(f"{', '.join(f'{k}={kwargs[k]!r}' for k in remedies)}: step "
                              f"{after.step.total_s * 1e3:.2f} ms with, "
-                             f"{plain[1].step.total_s * 1e3:.2f} ms without; not applied")
-                (fast, after, use_prefetch), remedies = plain, []
+                             f"{plain_after.step.total_s * 1e3:.2f} ms without; not applied")
+                fast, after, use_prefetch = plain_fast, plain_after, plain_prefetch
+                remedies = []
         applied = ["fusion"] + remedies + (["prefetch"] if use_prefetch else [])
         return BeforeAfter(self, after, applied, notes, fast)
 
