@@ -137,12 +137,15 @@ def bench_one(name: str, batch: int, rounds: int, device: str = "cpu") -> dict[s
                     model, args, paths["autoopt→onnxruntime"], example_kwargs=kwargs,
                     verify=False),
             }
+
+            def open_session(label: str) -> Callable[[], Any]:
+                return _ort_runner(paths[label], args, target, plain=label == "onnxruntime")
+
             for label, export in exports.items():
                 try:
                     before, start = _rss_mib(), time.perf_counter()
                     export()
-                    runners[label] = _ort_runner(paths[label], args, target,
-                                                 plain=label == "onnxruntime")
+                    runners[label] = open_session(label)
                     runners[label]()
                     prepare[label] = time.perf_counter() - start
                     memory[label] = _rss_mib() - before
@@ -164,8 +167,7 @@ def bench_one(name: str, batch: int, rounds: int, device: str = "cpu") -> dict[s
                         del runners[label]
                     gc.collect()
                     for label in ort_labels:
-                        runners[label] = _ort_runner(paths[label], args, target,
-                                                     plain=label == "onnxruntime")
+                        runners[label] = open_session(label)
                         runners[label]()
                 timed_runners = {k: _synchronized(r, target) for k, r in runners.items()}
                 for _ in range((rounds + 1 - half) // 2):
