@@ -38,6 +38,7 @@ def op_family(name: str) -> str:
     """``conv``, ``matmul`` or ``other``: the groups the cost model calibrates."""
     parts = name.split(".")
     base = (parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[-1]).lower()
+    base = base.split("[", 1)[0]  # a lowered kernel's name carries its bound weight's shape
     if "conv" in base:
         return "conv"
     if base in _MATMULS or "scaled_dot_product" in base:

@@ -1,0 +1,184 @@
+"""packed_linear: fp32 linears (linear, addmm, mm on a constant) onto MKL's packed GEMM."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.fx import GraphModule
+
+import autoopt
+from autoopt.capture import export_graph
+from autoopt.cost_model import CostCache, CostModel
+from autoopt.passes import PassContext, packed_linear
+from autoopt.passes.packed_linear import PackedLinear, available
+from autoopt.pipeline import portable
+
+pytestmark = pytest.mark.skipif(not available(torch.device("cpu")),
+                                reason="this PyTorch build has no MKL packed linear")
+aten = torch.ops.aten
+
+
+class Before(nn.Module):
+    """An MLP block: x ─ linear ─ gelu ─ linear (no bias) ─ y, on a 3-D input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 48)
+        self.down = nn.Linear(48, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Conv1D(nn.Module):
+    """GPT-2's Conv1D: ``addmm(b, x, W)`` with ``W`` stored (in, out), and a bias-free ``mm``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 24) / 4)
+        self.bias = nn.Parameter(torch.randn(24))
+        self.proj = nn.Parameter(torch.randn(24, 8) / 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.addmm(self.bias, x.view(-1, 16), self.weight)
+        return torch.mm(torch.relu(h), self.proj).view(*x.shape[:-1], 8)
+
+
+def _packed_calls(gm: GraphModule) -> list[PackedLinear]:
+    return [n.target for n in gm.graph.nodes if isinstance(n.target, PackedLinear)]
+
+
+def _targets(gm: GraphModule) -> list[object]:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _rewrite(model: nn.Module, x: torch.Tensor, **ctx_args: object,
+             ) -> tuple[GraphModule, dict[str, int]]:
+    with torch.no_grad():
+        gm = export_graph(model.eval(), (x,), {})
+    result = packed_linear(gm, PassContext(**ctx_args))  # no cost model: every eligible one
+    return result.graph_module, dict(result.counts)
+
+
+def _assert_bitwise_same(gm: GraphModule, model: nn.Module, shape: tuple[int, ...]) -> None:
+    """MKL's packed GEMM is the kernel aten.linear runs, in the same order: equal, not close."""
+    for _ in range(3):
+        x = torch.randn(shape)
+        with torch.no_grad():
+            torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+
+
+def test_before_becomes_two_packed_calls() -> None:
+    model = Before().eval()
+    gm, counts = _rewrite(model, torch.randn(2, 5, 16))
+    assert counts["linear"] == 2 and "linear_kept_aten" not in counts
+    assert aten.linear.default not in _targets(gm)
+    up, down = _packed_calls(gm)
+    assert (tuple(up.weight.shape), up.rows) == ((48, 16), 10)
+    assert aten.gelu.default in _targets(gm)  # the activation stays its own op
+    _assert_bitwise_same(gm, model, (2, 5, 16))
+
+
+def test_addmm_and_mm_on_a_constant_right_hand_side() -> None:
+    model = Conv1D().eval()
+    gm, counts = _rewrite(model, torch.randn(3, 4, 16))
+    assert counts["linear"] == 2
+    assert not {aten.addmm.default, aten.mm.default} & set(_targets(gm))
+    # The weight is bound as a transposed view of the model's own tensor: no copy of it.
+    first = _packed_calls(gm)[0]
+    assert first.weight.shape == (24, 16)
+    assert first.weight.untyped_storage().data_ptr() == model.weight.untyped_storage().data_ptr()
+    _assert_bitwise_same(gm, model, (3, 4, 16))
+
+
+def test_another_row_count_falls_back_to_the_unpacked_weight() -> None:
+    """The packing is for the example's row count; MKL runs aten's GEMM at any other."""
+    model = Before().eval()
+    gm, _ = _rewrite(model, torch.randn(2, 5, 16))
+    kernel = _packed_calls(gm)[0]
+    x = torch.randn(7, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(kernel(x, model.up.bias), model.up(x), rtol=0, atol=0)
+
+
+class Unsafe(nn.Module):
+    """Linears the pass must leave alone: a weight computed from the input, an addmm with a
+    scale, a matmul of two activations, and an fp64 linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+        self.b = nn.Parameter(torch.randn(8))
+        self.f64 = nn.Linear(8, 8).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dynamic_weight = F.linear(x, x.t() @ x)
+        scaled = torch.addmm(self.b, x, self.w, beta=0.5)
+        two_activations = torch.mm(x, x.t())
+        f64 = self.f64(x.double()).float()
+        return dynamic_weight.sum() + scaled.sum() + two_activations.sum() + f64.sum()
+
+
+def test_does_not_fire_where_the_kernel_would_compute_something_else() -> None:
+    model = Unsafe().eval()
+    gm, counts = _rewrite(model, torch.randn(8, 8))
+    assert counts == {}
+    assert _packed_calls(gm) == []
+
+
+def test_does_not_fire_when_training_for_a_cuda_target_or_on_symbolic_shapes() -> None:
+    x = torch.randn(2, 5, 16)
+    assert _rewrite(Before(), x, training=True)[1] == {}
+    assert _rewrite(Before(), x, device=torch.device("cuda"))[1] == {}
+    with torch.no_grad():
+        gm = export_graph(Before().eval(), (x,), {}, dynamic=True)
+    assert not packed_linear(gm, PassContext()).modified
+
+
+def test_the_cost_model_chooses_and_remembers(tmp_path: Path) -> None:
+    cost = CostModel("cpu", cache=CostCache(tmp_path / "costs.json"))
+    gm, counts = _rewrite(Before(), torch.randn(2, 5, 16), cost=cost)
+    choices = {k: v for k, v in cost.cache.items() if k.startswith("fastest|linear|")}
+    assert len(choices) == 2  # two distinct shapes, each measured both ways
+    assert all(set(v) == {"mkl_packed", "aten"} for v in choices.values())
+    assert counts.get("linear", 0) + counts.get("linear_kept_aten", 0) == 2
+    again = CostModel("cpu", cache=CostCache(tmp_path / "costs.json"))
+    assert _rewrite(Before(), torch.randn(2, 5, 16), cost=again)[1] == counts
+
+
+def test_each_packed_linear_is_a_matmul_with_its_own_cost_key() -> None:
+    from autoopt.cost_model.estimate import op_family, op_name
+
+    gm, _ = _rewrite(Before(), torch.randn(2, 5, 16))
+    names = {op_name(k) for k in _packed_calls(gm)}
+    assert len(names) == 2 and {op_family(n) for n in names} == {"matmul"}
+
+
+def test_optimize_on_bert_uses_it_and_exports_take_the_portable_graph(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=128,
+                                     vocab_size=100)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    ids = torch.randint(0, 100, (2, 12))
+    fast = autoopt.optimize(model, (ids,), pass_options={"packed_linear": {"measure": False}})
+    record = next(p for p in fast.report.captures[0].passes if p.name == "packed_linear")
+    gm = fast._specializations[0].run
+    assert aten.linear.default not in _targets(gm)
+    # Every linear of the graph before lowering (Q/K/V merged or not, as measured) is packed.
+    linears = _targets(portable(gm)).count(aten.linear.default)
+    assert record.status == "applied" and record.counts["linear"] == linears >= 9
+    assert not _packed_calls(portable(gm))
+    with torch.no_grad():
+        expected = model(ids).last_hidden_state
+        torch.testing.assert_close(fast(ids).last_hidden_state, expected, rtol=1e-5, atol=1e-5)
+        # Packed weights are shared, not copied, by a deep copy.
+        torch.testing.assert_close(copy.deepcopy(fast)(ids).last_hidden_state, expected,
+                                   rtol=1e-5, atol=1e-5)
+    assert autoopt.export_onnx(fast, (ids,), tmp_path / "bert.onnx").ok
