@@ -147,8 +147,10 @@ def _eligible(gm: GraphModule, node: Node) -> _Linear | None:
     else:
         if kw.get("beta", 1) != 1 or kw.get("alpha", 1) != 1:
             return None
-        x, bias = kw.get("mat1", kw.get("input")), kw.get("input") if node.target in ADDMM \
-            else None
+        if node.target in ADDMM:  # addmm(bias, x, W)
+            x, bias = kw.get("mat1"), kw.get("input")
+        else:  # mm(x, W)
+            x, bias = kw.get("input"), None
         rhs = _constant(gm, kw.get("mat2"))
         weight = rhs.t() if rhs is not None else None  # a view: F.linear's layout, no copy
     value = meta_val(x)
