@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import gc
 import platform
 import resource
@@ -57,7 +58,15 @@ MODELS = {
 
 
 def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Resident memory now (not the peak): before and after preparing a runner, the growth is
+    what the runner holds (packed weights, compiled code, ORT's copy of the weights, the
+    libraries' kernel caches). Freed heap is handed back to the system first, or memory a
+    runner used only while preparing would count as held."""
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize() / 2**20
 
 
 def _first_tensor(out: Any) -> torch.Tensor:
@@ -118,9 +127,10 @@ def bench_one(name: str, batch: int, rounds: int, device: str = "cpu") -> dict[s
     failures: dict[str, str] = {}  # runner -> why it has no time (shown in its cell)
     with torch.no_grad():
         runners["eager"] = lambda: model(*args, **kwargs)
+        own_copy = copy.deepcopy(model)  # torch.compile's, made outside its time and memory
         for label, build in (
             ("autoopt", lambda: autoopt.optimize(model, args, kwargs)),
-            ("torch.compile", lambda: torch.compile(copy.deepcopy(model))),
+            ("torch.compile", lambda: torch.compile(own_copy)),
         ):
             before, start = _rss_mib(), time.perf_counter()
             built = build()
@@ -186,6 +196,16 @@ def bench_one(name: str, batch: int, rounds: int, device: str = "cpu") -> dict[s
             "memory": memory, "errors": errors, "failures": failures, "ort_ratio": ort_ratio}
 
 
+def _warm_up(device: str) -> None:
+    """One optimize and one compile of a small model, so that the libraries' one-time set-up
+    (imports, export and Dynamo state) is not charged to the first row's times and memory."""
+    small = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval().to(device)
+    x = torch.randn(2, 8, device=device)
+    with torch.no_grad():
+        autoopt.optimize(small, (x,))(x)
+        torch.compile(copy.deepcopy(small))(x)
+
+
 def _reason(exc: Exception) -> str:
     """An exception's first line, short enough for a table cell."""
     text = " ".join(str(exc).split()) or type(exc).__name__
@@ -203,13 +223,15 @@ def table(rows: list[dict[str, Any]], threads: int, command: str, device: str = 
              f"Machine: {machine}, "
              f"torch {torch.__version__}. Random weights, images 224×224, text 128 tokens. "
              "Median of interleaved rounds; speedup = eager median / runner median; prepare = "
-             "optimize / compile (incl. first call) / export + session time; mem = peak RSS "
-             "growth while preparing; err = max abs difference from eager; autoopt→ORT ÷ ORT = "
+             "optimize / compile (incl. first call) / export + session time; held = resident "
+             "memory growth from preparing (autoopt / torch.compile; the model's own weights "
+             "not counted); err = max abs difference from eager; autoopt→ORT ÷ ORT = "
              "median over rounds of autoopt's ONNX file's time over plain export's, run back to "
              "back (below 1: autoopt's export is faster under ORT).", "",
              "| model | batch | eager ms | autoopt | torch.compile | onnxruntime | autoopt→"
-             "onnxruntime | autoopt→ORT ÷ ORT | autoopt prepare s | compile s | autoopt err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "onnxruntime | autoopt→ORT ÷ ORT | autoopt prepare s | compile s | held MiB | "
+             "autoopt err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     speedups = []
     for r in rows:
         m, p = r["median"], r["prepare"]
@@ -224,6 +246,7 @@ def table(rows: list[dict[str, Any]], threads: int, command: str, device: str = 
                      f"{cell['autoopt→onnxruntime']} | "
                      f"{'—' if r.get('ort_ratio') is None else format(r['ort_ratio'], '.3f')} | "
                      f"{p['autoopt']:.1f} | {p['torch.compile']:.1f} | "
+                     f"{r['memory']['autoopt']:.0f} / {r['memory']['torch.compile']:.0f} | "
                      f"{r['errors']['autoopt']:.1e} |")
     geo = statistics.geometric_mean(speedups) if speedups else 0.0
     lines += ["", f"Geometric-mean autoopt speedup over eager: {geo:.2f}×."]
@@ -241,6 +264,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="also write the table to this file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    _warm_up(args.device)
     rows = []
     for name in args.models.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
