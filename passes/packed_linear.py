@@ -53,7 +53,8 @@ class PackedLinear:
     def __init__(self, weight: torch.Tensor, rows: int) -> None:
         self.__name__ = "mkl_linear"  # what FX prints and names the call's global
         self.weight, self.rows = weight, rows
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), rows)
+        self.packed = self._pack()
+        self.threads = torch.get_num_threads()  # what the packing and the choice were made for
         # The cost model keys measurements by op name and argument shapes; the weight is bound
         # here, not an argument, so the name carries its shape ("linear" names the family).
         self.__qualname__ = f"linear[{'x'.join(map(str, weight.shape))},m{rows}]"
@@ -61,8 +62,17 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.device.type == "meta" or isinstance(x, FakeTensor):
             return F.linear(x, x.new_empty(self.weight.shape), bias)
+        threads = torch.get_num_threads()
+        if threads != self.threads:
+            # MKL packs for the thread count of the moment: a weight packed at 1 thread runs on
+            # 1 thread only (measured: 2x slower at 2 threads than one packed at 2), so the
+            # weight is packed again for the new count, once.
+            self.packed, self.threads = self._pack(), threads
         # MKL checks the row count itself: at another count it runs aten.linear on ``weight``.
         return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, bias, self.rows)
+
+    def _pack(self) -> torch.Tensor:
+        return torch.ops.mkl._mkl_reorder_linear_weight(self.weight.contiguous(), self.rows)
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The same function in ATen, on the unpacked weight."""

@@ -182,3 +182,22 @@ def test_optimize_on_bert_uses_it_and_exports_take_the_portable_graph(tmp_path: 
         torch.testing.assert_close(copy.deepcopy(fast)(ids).last_hidden_state, expected,
                                    rtol=1e-5, atol=1e-5)
     assert autoopt.export_onnx(fast, (ids,), tmp_path / "bert.onnx").ok
+
+
+def test_repacks_when_the_thread_count_changes() -> None:
+    """MKL packs a weight for the thread count of the moment (packed at 1 thread, the GEMM ran
+    on 1 thread at 2), so a call at a new count packs it again, and still computes the same."""
+    model = Before().eval()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        gm, _ = _rewrite(model, torch.randn(2, 5, 16))
+        kernels = _packed_calls(gm)
+        assert {k.threads for k in kernels} == {1}
+        first = [k.packed for k in kernels]
+        torch.set_num_threads(2)
+        _assert_bitwise_same(gm, model, (2, 5, 16))
+        assert {k.threads for k in kernels} == {2}
+        assert all(k.packed is not old for k, old in zip(kernels, first, strict=True))
+    finally:
+        torch.set_num_threads(threads)
