@@ -4,10 +4,11 @@
                               [--device cuda] [--write] [--out table.md]
 
 Models have random weights at full size (images 224×224, text 128 tokens). For each model and
-batch the four runners are timed round-robin (interleaved, so drift of this shared machine hits
+batch the runners are timed round-robin (interleaved, so drift of this shared machine hits
 all alike) and the median per runner is kept. Reported: median latency, speedup over eager,
-optimize/compile/export time, peak RSS growth while preparing, and the max abs error against
-eager. ``--write`` updates docs/benchmarks.md.
+optimize/compile/export time, the memory autoopt and torch.compile hold after preparing, the
+max abs error against eager, and autoopt's ONNX file against plain export's under ORT as the
+median of back-to-back round ratios. ``--write`` updates docs/benchmarks.md.
 """
 
 from __future__ import annotations
