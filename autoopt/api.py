@@ -112,6 +112,10 @@ class _Specialization:
     method: str
     run: Callable[..., Any]
     graph: GraphModule | None = None  # the optimized whole graph ``run`` executes, if one
+    # For an inference capture, the weights' stamp (``OptimizedModule._weights_stamp``) its
+    # constants were computed at: folded BatchNorms, merged and packed weights are copies,
+    # so the graph is stale once a parameter or buffer is written. None: reads them live.
+    stamp: int | None = None
 
 
 class OptimizedModule(nn.Module):
@@ -135,10 +139,49 @@ class OptimizedModule(nn.Module):
         self._submodules = list(module.modules())  # for the train/eval flags checked per call
         # Measures nothing until a pass asks; measurements persist in the on-disk cache.
         self.cost_model = CostModel(_model_device(module) or "cpu")
+        self._weights: list[torch.Tensor] = []
+        self._track_weights()
+        # load_state_dict(assign=True) replaces the tensors themselves, which no stamp sees.
+        module.register_load_state_dict_post_hook(self._weights_loaded)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._stamped and self._weights_stamp() != self._stamp:
+            self._drop_stale_graphs()
         spec = self._find(args, kwargs) or self.specialize(args, kwargs)
         return spec.run(*args, **kwargs)
+
+    # --- weights written after capture ----------------------------------------------------
+
+    def _track_weights(self) -> None:
+        # Inference tensors have no version counter (and cannot be written outside
+        # inference mode); the rest can.
+        self._weights = [t for t in (*self.module.parameters(), *self.module.buffers())
+                         if not t.is_inference()]
+        self._stamp = self._weights_stamp()
+        self._stamped = False  # whether some graph holds constants computed from the weights
+
+    def _weights_stamp(self) -> int:
+        """Grows whenever a parameter or buffer is written in place (an optimizer step,
+        BatchNorm statistics, ``load_state_dict``): version counters only increase."""
+        return sum(t._version for t in self._weights)
+
+    def _drop_stale_graphs(self) -> None:
+        stamp = self._weights_stamp()
+        stale = [s for s in self._specializations if s.stamp is not None and s.stamp != stamp]
+        if stale:
+            self._specializations = [s for s in self._specializations if s not in stale]
+            note = ("parameters or buffers were written after an inference capture (training, "
+                    "load_state_dict, in-place edits): graphs whose folded or packed constants "
+                    "came from the old values are captured again on their next call")
+            if note not in self.report.warnings:
+                self.report.warnings.append(note)
+        self._stamp = stamp
+        self._stamped = any(s.stamp is not None for s in self._specializations)
+
+    def _weights_loaded(self, module: nn.Module, incompatible: Any) -> None:
+        self._specializations = [s for s in self._specializations if s.stamp is None]
+        self._track_weights()
+        self._stamped = False
 
     def _find(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Specialization | None:
         modes = current_modes(self.module, self._submodules)
@@ -152,6 +195,7 @@ class OptimizedModule(nn.Module):
         # they are dropped and captured again on the next call.
         super()._apply(fn, recurse)
         self._specializations.clear()
+        self._track_weights()  # moved buffers are new tensors
         return self
 
     def specialize(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> _Specialization:
@@ -160,6 +204,7 @@ class OptimizedModule(nn.Module):
         if len(self._specializations) >= self._config.max_specializations:
             return self._eager_beyond_limit(args, kwargs)
         start = time.perf_counter()
+        before = self._weights_stamp()
         record = CaptureRecord(inputs=signature_of(args, kwargs, self.module).describe())
         self.report.captures.append(record)
         obstacles = self._probe(args, kwargs)
@@ -191,6 +236,16 @@ class OptimizedModule(nn.Module):
             self.report.warnings.append(
                 f"memory_budget: captured by {record.method}, not as one whole graph, so no "
                 f"memory plan applies; saved activations are eager's")
+        # Verification puts back the buffers it ran through (in place): autoopt's own writes
+        # leave every graph that was current, current.
+        after = self._weights_stamp()
+        for other in self._specializations:
+            if other.stamp == before:
+                other.stamp = after
+        if spec.method != "eager" and not torch.is_grad_enabled():
+            spec.stamp = after
+            self._stamped = True
+        self._stamp = after
         self._specializations.append(spec)
         return spec
 

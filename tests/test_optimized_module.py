@@ -101,3 +101,74 @@ def test_training_flag_captures_with_gradients() -> None:
     fast = autoopt.optimize(mlp(), (torch.randn(2, 6),), training=True)
     assert fast.report.captures[0].inputs
     assert fast._specializations[0].signature.modes[0] is True
+
+
+class ConvBnMlp(nn.Module):
+    """What inference passes turn into copies of the weights: a BatchNorm folded into its conv,
+    linears packed (or merged)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+        self.head = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def _randomized(model: nn.Module, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for t in (*model.parameters(), *model.buffers()):
+            if t.is_floating_point():
+                t.copy_(torch.rand_like(t) + 0.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_weights_loaded_after_an_inference_capture_are_used(assign: bool) -> None:
+    """The inference graph holds folded and packed copies of the weights: after
+    ``load_state_dict`` it must not compute with the old ones."""
+    model, other = _randomized(ConvBnMlp(), 0), _randomized(ConvBnMlp(), 1)
+    x = torch.randn(2, 3, 12, 12)
+    with torch.no_grad():
+        fast = autoopt.optimize(model, (x,))
+        assert fast.report.pass_counts.get("folded_bn") == 1
+        fast.module.load_state_dict(other.state_dict(), assign=assign)
+        torch.testing.assert_close(fast(x), other(x), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(model(x), _randomized(ConvBnMlp(), 0)(x))  # yours: as was
+    assert len(fast.report.captures) == 2
+
+
+def test_training_steps_then_inference_use_the_trained_weights_and_statistics() -> None:
+    model = _randomized(ConvBnMlp(), 0)
+    x = torch.randn(4, 3, 12, 12)
+    with torch.no_grad():
+        fast = autoopt.optimize(model, (x,))
+        fast(x)
+    fast.train()
+    optimizer = torch.optim.SGD(fast.parameters(), lr=0.1)
+    for _ in range(2):  # weights and BatchNorm running statistics change
+        optimizer.zero_grad()
+        fast(x).square().mean().backward()
+        optimizer.step()
+    fast.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), fast.module(x), rtol=1e-4, atol=1e-5)
+    assert [c.method for c in fast.report.captures] == ["export"] * 3
+    assert any("captured again" in w for w in fast.report.warnings)
+
+
+def test_unchanged_weights_keep_every_graph() -> None:
+    """Verifying a new shape puts back the buffers it ran through: that is no reason to
+    capture the first shape again."""
+    model = _randomized(ConvBnMlp(), 0)
+    a, b = torch.randn(2, 3, 12, 12), torch.randn(3, 3, 12, 12)
+    with torch.no_grad():
+        fast = autoopt.optimize(model, (a,))
+        for _ in range(2):
+            torch.testing.assert_close(fast(a), model(a), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(fast(b), model(b), rtol=1e-4, atol=1e-5)
+    assert len(fast.report.captures) == 2
+    assert not any("captured again" in w for w in fast.report.warnings)
