@@ -68,8 +68,13 @@ def optimize(model: nn.Module, example_inputs: Any = (), example_kwargs: Mapping
     model = _unwrap(model)
     args, kwargs = _check_inputs(example_inputs, example_kwargs)
     target = _resolve_device(model, device)
+    training = model.training if training is None else training
+    # An inference module reads your weights where they are (no second copy in memory) until
+    # something would write them: it takes its own copy then (OptimizedModule._unshare).
+    share = not training and cfg.devices is None and (target is None
+                                                      or target == _model_device(model))
     try:
-        private = copy.deepcopy(model)
+        private = _private_copy(model, share_weights=share)
     except Exception as exc:
         raise ModelError(f"autoopt needs a private copy of the model (it never modifies yours), "
                          f"but copy.deepcopy failed: {type(exc).__name__}: {exc}. Make the "
@@ -80,11 +85,10 @@ def optimize(model: nn.Module, example_inputs: Any = (), example_kwargs: Mapping
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(target), (args, kwargs))
     _check_devices_and_dtypes(private, args, kwargs)
     # precision=: reject what cannot work on this device; skip casts that would be slower.
-    cfg, precision_notes = precision_lib.check_target(
-        cfg, _model_device(private), model.training if training is None else training)
-    optimized = OptimizedModule(private, cfg, dynamic=dynamic, dynamic_shapes=dynamic_shapes)
+    cfg, precision_notes = precision_lib.check_target(cfg, _model_device(private), training)
+    optimized = OptimizedModule(private, cfg, dynamic=dynamic, dynamic_shapes=dynamic_shapes,
+                                shares_weights=share)
     optimized.report.warnings.extend(precision_notes)
-    training = model.training if training is None else training
     if cfg.memory_budget is not None and not training:
         raise ConfigError("memory_budget limits the activations saved for a training step; "
                           "pass training=True (or a model in train mode), or drop "
@@ -128,9 +132,11 @@ class OptimizedModule(nn.Module):
     """
 
     def __init__(self, module: nn.Module, config: OptimizeConfig, *, dynamic: bool = False,
-                 dynamic_shapes: Any = None) -> None:
+                 dynamic_shapes: Any = None, shares_weights: bool = False) -> None:
         super().__init__()
         self.module = module
+        # Whether ``module``'s parameters and buffers are views of the user's tensors.
+        self._shares_weights = shares_weights
         self.report = Report()
         self._config = config
         self._dynamic = dynamic
@@ -141,7 +147,9 @@ class OptimizedModule(nn.Module):
         self.cost_model = CostModel(_model_device(module) or "cpu")
         self._weights: list[torch.Tensor] = []
         self._track_weights()
-        # load_state_dict(assign=True) replaces the tensors themselves, which no stamp sees.
+        # load_state_dict(assign=True) replaces the tensors themselves, which no stamp sees;
+        # and a load must not write into the user's tensors.
+        module.register_load_state_dict_pre_hook(self._before_load)
         module.register_load_state_dict_post_hook(self._weights_loaded)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -178,6 +186,27 @@ class OptimizedModule(nn.Module):
         self._stamp = stamp
         self._stamped = any(s.stamp is not None for s in self._specializations)
 
+    def _unshare(self) -> None:
+        """Give the private module its own copy of the weights it shares with the user's
+        model, before anything writes them (a training step, BatchNorm statistics, a load).
+
+        Each tensor keeps its identity and takes new storage holding the same values: an
+        optimizer built on ``fast.parameters()`` stays valid, and so do the graphs, which
+        hold these tensors. They keep the user's version counters, so an in-place write to
+        the user's model still drops graphs built from the values it had."""
+        if not self._shares_weights:
+            return
+        self._shares_weights = False
+        done: set[int] = set()
+        for m in self.module.modules():
+            for t in (*m._parameters.values(), *m._buffers.values()):
+                if t is not None and id(t) not in done:
+                    done.add(id(t))
+                    t.data = t.data.clone()
+
+    def _before_load(self, *args: Any, **kwargs: Any) -> None:
+        self._unshare()
+
     def _weights_loaded(self, module: nn.Module, incompatible: Any) -> None:
         self._specializations = [s for s in self._specializations if s.stamp is None]
         self._track_weights()
@@ -203,6 +232,8 @@ class OptimizedModule(nn.Module):
         kwargs = dict(kwargs)
         if len(self._specializations) >= self._config.max_specializations:
             return self._eager_beyond_limit(args, kwargs)
+        if torch.is_grad_enabled() or any(m.training for m in self._submodules):
+            self._unshare()  # a training capture writes weights, a train-mode one statistics
         start = time.perf_counter()
         before = self._weights_stamp()
         record = CaptureRecord(inputs=signature_of(args, kwargs, self.module).describe())
@@ -236,6 +267,8 @@ class OptimizedModule(nn.Module):
             self.report.warnings.append(
                 f"memory_budget: captured by {record.method}, not as one whole graph, so no "
                 f"memory plan applies; saved activations are eager's")
+        if spec.signature is None:
+            self._unshare()  # Dynamo's module or eager: serves any later call, training too
         # Verification puts back the buffers it ran through (in place): autoopt's own writes
         # leave every graph that was current, current.
         after = self._weights_stamp()
@@ -479,6 +512,23 @@ def _model_device(model: nn.Module) -> torch.device | None:
     for t in list(model.parameters()) + list(model.buffers()):
         return t.device
     return None
+
+
+def _private_copy(model: nn.Module, share_weights: bool) -> nn.Module:
+    """A deep copy of ``model``: its own modules and Python state; with ``share_weights`` its
+    parameters and buffers are new tensors on the same memory as the model's (and the same
+    version counters, so the model's in-place writes are seen) instead of copies."""
+    memo: dict[int, Any] = {}
+    if share_weights:
+        for t in (*model.parameters(), *model.buffers()):
+            if t.is_inference():
+                continue  # made under inference_mode: only a copy can be used outside it
+            if type(t) is nn.Parameter:
+                memo[id(t)] = nn.Parameter(t.detach(), requires_grad=t.requires_grad)
+            elif type(t) is torch.Tensor:
+                memo[id(t)] = t.detach()
+            # Other tensor types (lazy or quantized parameters, subclasses) are copied.
+    return copy.deepcopy(model, memo)
 
 
 def _resolve_device(model: nn.Module, device: str | torch.device | None) -> torch.device | None:
