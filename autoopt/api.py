@@ -210,7 +210,6 @@ class OptimizedModule(nn.Module):
     def _weights_loaded(self, module: nn.Module, incompatible: Any) -> None:
         self._specializations = [s for s in self._specializations if s.stamp is None]
         self._track_weights()
-        self._stamped = False
 
     def _find(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Specialization | None:
         modes = current_modes(self.module, self._submodules)
