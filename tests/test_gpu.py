@@ -50,3 +50,26 @@ def test_cuda_graph_replays_static_inference_and_matches_eager() -> None:
         torch.testing.assert_close(out2, model(x2), rtol=1e-3, atol=1e-3)
     plain = autoopt.optimize(model, (x,), cuda_graphs=False)
     assert plain.report.captures[0].cuda_graph == ""
+
+
+@pytest.mark.gpu
+def test_cuda_inference_shares_weights_and_a_replay_sees_loaded_ones() -> None:
+    """On CUDA too: the inference module reads the model's weights in place, and after a load
+    the recorded CUDA graph (which holds folded copies and fixed addresses) is not replayed."""
+    model, args, _ = REAL_MODELS["resnet18"]()
+    other, _, _ = REAL_MODELS["resnet18"]()
+    model, other = model.cuda().eval(), other.cuda().eval()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(0.5)
+    x = args[0].cuda()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fast = autoopt.optimize(model, (x,))
+    assert all(p.data_ptr() == q.data_ptr()
+               for p, q in zip(fast.module.parameters(), model.parameters(), strict=True))
+    with torch.no_grad():
+        fast(x)
+        fast.module.load_state_dict(other.state_dict())
+        torch.testing.assert_close(fast(x), other(x), rtol=1e-3, atol=1e-3)
+    # Yours was not written: fast took its own memory before the load.
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
