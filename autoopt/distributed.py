@@ -154,19 +154,29 @@ def distributed_pipeline(model: nn.Module, example_inputs: tuple[Any, ...],
                                out_spec)
 
 
+def _dense(value: Any) -> Any:
+    """``value`` in contiguous memory if it is a tensor (no copy when it already is)."""
+    return value.contiguous() if isinstance(value, torch.Tensor) else value
+
+
 def _contiguous_outputs(stage: GraphModule) -> GraphModule:
     """The stage with every output it sends made contiguous: point-to-point sends and
     receives need dense buffers, and a cut may fall after a view (an expanded mask, a
-    transpose)."""
+    transpose).
+
+    Every output goes through ``_dense``, not only those the trace's metadata calls strided:
+    PipelineStage sizes the gradient buffers it receives from the strides of its own run of
+    the stage, which need not be the trace's (a node a pass added may carry none), and gloo
+    refused a strided one ("input tensor has to be contiguous", in 1 of about 8 runs)."""
     output = next(n for n in stage.graph.nodes if n.op == "output")
     values = list(output.args[0])
     for i, value in enumerate(values):
-        meta = value.meta.get("val") if isinstance(value, Node) else None
-        if isinstance(meta, torch.Tensor) and not meta.is_contiguous():
-            with stage.graph.inserting_before(output):
-                values[i] = stage.graph.call_function(
-                    torch.ops.aten.clone.default, (value,),
-                    {"memory_format": torch.contiguous_format})
+        if not isinstance(value, Node):
+            continue
+        meta = value.meta.get("val")
+        with stage.graph.inserting_before(output):
+            values[i] = stage.graph.call_function(_dense, (value,))
+        if isinstance(meta, torch.Tensor):
             values[i].meta["val"] = meta.contiguous()
     output.args = (tuple(values),)
     stage.recompile()

@@ -211,6 +211,27 @@ def test_cli_rejects_an_unreadable_memory_size(capsys: pytest.CaptureFixture[str
 # --- torch.distributed ---------------------------------------------------------------------------
 
 
+def test_stage_outputs_sent_between_processes_are_contiguous_whatever_the_metadata() -> None:
+    """A cut after a transpose whose node carries no trace metadata (as a node a pass adds
+    may not): the stage still sends, and sizes gradient buffers from, contiguous outputs."""
+    from autoopt.distributed import _contiguous_outputs
+
+    class Cut(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x.transpose(0, 1) * 2, x[:1].expand(3, 4, 5)
+
+    with torch.no_grad():
+        gm = export_graph(Cut(), (torch.randn(2, 4, 5),), {})
+    for node in gm.graph.nodes:
+        node.meta.pop("val", None)
+    stage = _contiguous_outputs(gm)
+    for device in ("cpu", "meta"):  # PipelineStage infers its buffers with a run of its own
+        x = torch.randn(2, 4, 5, device=device)
+        outputs = stage(x)
+        assert all(out.is_contiguous() for out in outputs), [o.stride() for o in outputs]
+    torch.testing.assert_close(stage(x := torch.randn(2, 4, 5)), Cut()(x))
+
+
 @pytest.mark.slow
 def test_two_process_gloo_pipeline_matches_eager() -> None:
     """The example, run by torchrun on 2 CPU processes: inference output and every rank's
