@@ -23,7 +23,7 @@ from torch.fx import GraphModule, Node
 
 from . import ops
 from .base import PassContext, PassResult
-from .graph import add_constant, attr, call_kwargs, fresh_name, storage_id
+from .graph import add_constant, attr, call_kwargs, constant_tensor, fresh_name, storage_id
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def _match_function(gm: GraphModule, bn: Node) -> tuple[_Producer, _Norm] | None
     if kw is None or outputs is None:
         return None
     attrs = {k: kw.get(k) for k in ("weight", "bias", "running_mean", "running_var")}
-    if not all(v is None or _is_attr(gm, v) for v in attrs.values()):
+    if not all(v is None or constant_tensor(gm, v) is not None for v in attrs.values()):
         return None
     values = {k: attr(gm, v) if isinstance(v, Node) else None for k, v in attrs.items()}
     norm = _Norm(bn, outputs, bool(kw.get("training", False)), values["running_mean"],
@@ -185,7 +185,7 @@ def _match_function(gm: GraphModule, bn: Node) -> tuple[_Producer, _Norm] | None
     else:
         return None
     w, b = ckw.get("weight"), ckw.get("bias")
-    if not _is_attr(gm, w) or not (b is None or _is_attr(gm, b)):
+    if constant_tensor(gm, w) is None or not (b is None or constant_tensor(gm, b) is not None):
         return None
     producer = _Producer(conv, kind, attr(gm, w), attr(gm, b) if b is not None else None,
                          int(ckw.get("groups", 1)), tuple(n for n in (w, b) if n is not None))
@@ -303,13 +303,3 @@ def _set_arg(node: Node, index: int, name: str, value: Node) -> None:
         node.args = (*node.args, value)
     else:
         node.update_kwarg(name, value)
-
-
-
-
-def _is_attr(gm: GraphModule, value: Any) -> bool:
-    return (isinstance(value, Node) and value.op == "get_attr"
-            and isinstance(attr(gm, str(value.target)), torch.Tensor))
-
-
-

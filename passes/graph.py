@@ -38,6 +38,15 @@ def attr(gm: GraphModule, target: Any) -> Any:
     return value
 
 
+def constant_tensor(gm: GraphModule, node: Any) -> torch.Tensor | None:
+    """The tensor a ``get_attr`` node names on ``gm`` (a weight, a buffer, a folded constant);
+    None for anything else: an input, a computed value, a non-tensor attribute."""
+    if not (isinstance(node, Node) and node.op == "get_attr"):
+        return None
+    value = attr(gm, node)
+    return value if isinstance(value, torch.Tensor) else None
+
+
 def storage_id(t: torch.Tensor) -> int:
     """Identifies the memory a tensor lives in (shared by its views and tied weights)."""
     return t.untyped_storage().data_ptr()

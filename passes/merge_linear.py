@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from .base import PassContext, PassResult
-from .graph import add_constant, attr, call_kwargs, meta_val
+from .graph import add_constant, call_kwargs, constant_tensor, meta_val
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +77,13 @@ def _siblings(gm: GraphModule, x: Node, order: dict[Node, int],
         if kw is None or kw.get("input") is not x:
             continue
         weight, bias = kw.get("weight"), kw.get("bias")
-        w = attr(gm, weight) if isinstance(weight, Node) and weight.op == "get_attr" else None
-        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        w = constant_tensor(gm, weight)
+        if w is None or w.dim() != 2:
             continue
         b = None
         if bias is not None:
-            b = attr(gm, bias) if isinstance(bias, Node) and bias.op == "get_attr" else None
-            if not isinstance(b, torch.Tensor) or b.shape != w.shape[:1] or b.dtype != w.dtype:
+            b = constant_tensor(gm, bias)
+            if b is None or b.shape != w.shape[:1] or b.dtype != w.dtype:
                 continue
         found.append((user, w, b))
     kinds = {(w.dtype, w.device) for _, w, _ in found}

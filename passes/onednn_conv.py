@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule, Node
 
 from .base import PassContext, PassResult
-from .graph import attr, call_kwargs, meta_val
+from .graph import attr, call_kwargs, constant_tensor, meta_val
 
 log = logging.getLogger(__name__)
 
@@ -192,19 +192,19 @@ def _eligible(gm: GraphModule, node: Node) -> _Conv | None:
     """The conv's parts, if oneDNN's kernel computes exactly what it does: a constant fp32/bf16
     4-D weight, a 4-D input of static shape, explicit integer padding."""
     kw = call_kwargs(node)
-    if kw is None or not isinstance(kw.get("weight"), Node) or kw["weight"].op != "get_attr":
+    if kw is None:
         return None
-    weight = attr(gm, kw["weight"])
+    weight = constant_tensor(gm, kw.get("weight"))
     x = meta_val(kw["input"])
     # Packing copies the weight, as folding does: valid for an inference capture (ctx.training
     # is False), which the module captures anew when called with gradients enabled.
-    if (not isinstance(weight, torch.Tensor) or weight.dim() != 4
+    if (weight is None or weight.dim() != 4
             or weight.dtype not in (torch.float32, torch.bfloat16) or weight.is_mkldnn
             or not isinstance(x, torch.Tensor) or x.dim() != 4 or x.dtype != weight.dtype
             or not all(isinstance(s, int) for s in x.shape)):
         return None
     bias = kw.get("bias")
-    if bias is not None and not (isinstance(bias, Node) and bias.op == "get_attr"):
+    if bias is not None and constant_tensor(gm, bias) is None:
         return None
 
     def pair(value: Any, default: int) -> list[int] | None:

@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule, Node
 
 from .base import PassContext, PassResult
-from .graph import attr, call_kwargs, meta_val
+from .graph import attr, call_kwargs, constant_tensor, meta_val
 
 log = logging.getLogger(__name__)
 
@@ -136,13 +136,6 @@ def packed_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
     return PassResult(gm, "linear" in counts, counts)
 
 
-def _constant(gm: GraphModule, node: Any) -> torch.Tensor | None:
-    if not (isinstance(node, Node) and node.op == "get_attr"):
-        return None
-    value = attr(gm, node)
-    return value if isinstance(value, torch.Tensor) else None
-
-
 def _eligible(gm: GraphModule, node: Node) -> _Linear | None:
     """The linear's parts, if MKL's packed GEMM computes exactly what the node does: an fp32
     input of static shape, a constant 2-D fp32 weight, a constant bias of the output's width
@@ -153,7 +146,7 @@ def _eligible(gm: GraphModule, node: Node) -> _Linear | None:
     if kw is None:
         return None
     if node.target in LINEAR:
-        x, weight, bias = kw.get("input"), _constant(gm, kw.get("weight")), kw.get("bias")
+        x, weight, bias = kw.get("input"), constant_tensor(gm, kw.get("weight")), kw.get("bias")
     else:
         if kw.get("beta", 1) != 1 or kw.get("alpha", 1) != 1:
             return None
@@ -161,7 +154,7 @@ def _eligible(gm: GraphModule, node: Node) -> _Linear | None:
             x, bias = kw.get("mat1"), kw.get("input")
         else:  # mm(x, W)
             x, bias = kw.get("input"), None
-        rhs = _constant(gm, kw.get("mat2"))
+        rhs = constant_tensor(gm, kw.get("mat2"))
         weight = rhs.t() if rhs is not None else None  # a view: F.linear's layout, no copy
     value = meta_val(x)
     if (weight is None or weight.dim() != 2 or weight.dtype != torch.float32
@@ -172,7 +165,7 @@ def _eligible(gm: GraphModule, node: Node) -> _Linear | None:
             or value.shape[-1] != weight.shape[1]):
         return None
     if bias is not None:
-        b = _constant(gm, bias)
+        b = constant_tensor(gm, bias)
         if b is None or b.dtype != torch.float32 or tuple(b.shape) != (weight.shape[0],):
             return None
     rows = math.prod(value.shape[:-1])
