@@ -153,7 +153,7 @@ class OptimizedModule(nn.Module):
         module.register_load_state_dict_post_hook(self._weights_loaded)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._stamped and self._weights_stamp() != self._stamp:
+        if any(s.stamp is not None for s in self._specializations):
             self._drop_stale_graphs()
         spec = self._find(args, kwargs) or self.specialize(args, kwargs)
         return spec.run(*args, **kwargs)
@@ -165,8 +165,6 @@ class OptimizedModule(nn.Module):
         # inference mode); the rest can.
         self._weights = [t for t in (*self.module.parameters(), *self.module.buffers())
                          if not t.is_inference()]
-        self._stamp = self._weights_stamp()
-        self._stamped = False  # whether some graph holds constants computed from the weights
 
     def _weights_stamp(self) -> int:
         """Grows whenever a parameter or buffer is written in place (an optimizer step,
@@ -183,8 +181,6 @@ class OptimizedModule(nn.Module):
                     "came from the old values are captured again on their next call")
             if note not in self.report.warnings:
                 self.report.warnings.append(note)
-        self._stamp = stamp
-        self._stamped = any(s.stamp is not None for s in self._specializations)
 
     def _unshare(self) -> None:
         """Give the private module its own copy of the weights it shares with the user's
@@ -276,8 +272,6 @@ class OptimizedModule(nn.Module):
                 other.stamp = after
         if spec.method != "eager" and not torch.is_grad_enabled():
             spec.stamp = after
-            self._stamped = True
-        self._stamp = after
         self._specializations.append(spec)
         return spec
 
