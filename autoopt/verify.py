@@ -121,7 +121,8 @@ def _compare_tensors(key: str, exp: torch.Tensor, act: torch.Tensor,
         if not torch.equal(e, a):
             return f"{key}: integer/bool values differ", 0.0, 0.0
         return "", 0.0, 0.0
-    tol = cuda_fp32 if exp.is_cuda and e.dtype == torch.float32 else tols.get(e.dtype, _EXACT)
+    cuda_fp32_leaf = exp.is_cuda and e.dtype == torch.float32
+    tol = cuda_fp32 if cuda_fp32_leaf else tols.get(e.dtype, _EXACT)
     e64, a64 = e.to(torch.float64), a.to(torch.float64)
     e_nan, a_nan = torch.isnan(e64), torch.isnan(a64)
     if not torch.equal(e_nan, a_nan):
@@ -140,8 +141,7 @@ def _compare_tensors(key: str, exp: torch.Tensor, act: torch.Tensor,
     rel_err = float((diff / e64.abs().clamp_min(1e-12)).max())
     if bool((diff > allowed).any()):
         worst = int(torch.argmax(diff - allowed))
-        tf32 = tol is TF32 and exp.is_cuda and e.dtype == torch.float32
-        kind = f"{e.dtype}{' (TF32 on CUDA)' if tf32 else ''}"
+        kind = f"{e.dtype}{' (TF32 on CUDA)' if cuda_fp32_leaf and tol is TF32 else ''}"
         return (f"{key}: max abs error {abs_err:.3g} exceeds the {kind} tolerance "
                 f"(rtol={tol.rtol:g}, atol={tol.atol:g}x{scale:.3g}); worst element "
                 f"{float(a64[worst]):.6g} vs expected {float(e64[worst]):.6g}"), abs_err, rel_err
