@@ -144,7 +144,8 @@ def distributed_pipeline(model: nn.Module, example_inputs: tuple[Any, ...],
     dist.broadcast_object_list(box, src=0, group=group)
     plan: Partition = box[0]
     # A copy: moving it or training it leaves the caller's model as it was.
-    module = place_stage(_contiguous_outputs(copy.deepcopy(emit_stages(gm, plan)[rank])), target)
+    module = place_stage(_contiguous_boundaries(copy.deepcopy(emit_stages(gm, plan)[rank])),
+                         target)
     stage = PipelineStage(module, rank, world, target, group=group)
     info = getattr(gm.graph._codegen, "pytree_info", None)
     out_spec = info.out_spec if info else None
@@ -159,23 +160,53 @@ def _dense(value: Any) -> Any:
     return value.contiguous() if isinstance(value, torch.Tensor) else value
 
 
-def _contiguous_outputs(stage: GraphModule) -> GraphModule:
-    """The stage with every output it sends made contiguous: point-to-point sends and
-    receives need dense buffers, and a cut may fall after a view (an expanded mask, a
-    transpose).
+class _DenseGrad(torch.autograd.Function):
+    """The identity, whose gradient leaves contiguous."""
 
-    Every output goes through ``_dense``, not only those the trace's metadata calls strided:
-    PipelineStage sizes the gradient buffers it receives from the strides of its own run of
-    the stage, which need not be the trace's (a node a pass added may carry none), and gloo
-    refused a strided one ("input tensor has to be contiguous", in 1 of about 8 runs)."""
-    output = next(n for n in stage.graph.nodes if n.op == "output")
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _dense_grad(value: Any) -> Any:
+    """``value`` unchanged; in backward, its gradient made contiguous."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return _DenseGrad.apply(value)
+    return value
+
+
+def _contiguous_boundaries(stage: GraphModule) -> GraphModule:
+    """The stage with what crosses its boundaries made contiguous: point-to-point sends and
+    receives need dense buffers (gloo refuses others: "input tensor has to be contiguous").
+
+    - Outputs (sent forward): a cut may fall after a view (an expanded mask, a transpose), and
+      a node a pass added may carry no metadata to say so, so every output goes through
+      ``_dense``.
+    - Gradients of the inputs (sent backward, and the next-earlier stage sizes its receive
+      buffers from their strides): autograd's can be strided (the gradient of an attention
+      output that the next op transposes, measured on GPT-2), so every input goes through
+      ``_dense_grad``.
+    """
+    graph = stage.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if placeholders:
+        with graph.inserting_after(placeholders[-1]):
+            for ph in placeholders:
+                dense = graph.call_function(_dense_grad, (ph,))
+                dense.meta = dict(ph.meta)
+                ph.replace_all_uses_with(dense, delete_user_cb=lambda user, d=dense: user is not d)
+    output = next(n for n in graph.nodes if n.op == "output")
     values = list(output.args[0])
     for i, value in enumerate(values):
         if not isinstance(value, Node):
             continue
         meta = value.meta.get("val")
-        with stage.graph.inserting_before(output):
-            values[i] = stage.graph.call_function(_dense, (value,))
+        with graph.inserting_before(output):
+            values[i] = graph.call_function(_dense, (value,))
         if isinstance(meta, torch.Tensor):
             values[i].meta["val"] = meta.contiguous()
     output.args = (tuple(values),)

@@ -214,7 +214,7 @@ def test_cli_rejects_an_unreadable_memory_size(capsys: pytest.CaptureFixture[str
 def test_stage_outputs_sent_between_processes_are_contiguous_whatever_the_metadata() -> None:
     """A cut after a transpose whose node carries no trace metadata (as a node a pass adds
     may not): the stage still sends, and sizes gradient buffers from, contiguous outputs."""
-    from autoopt.distributed import _contiguous_outputs
+    from autoopt.distributed import _contiguous_boundaries
 
     class Cut(nn.Module):
         def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,12 +224,41 @@ def test_stage_outputs_sent_between_processes_are_contiguous_whatever_the_metada
         gm = export_graph(Cut(), (torch.randn(2, 4, 5),), {})
     for node in gm.graph.nodes:
         node.meta.pop("val", None)
-    stage = _contiguous_outputs(gm)
+    stage = _contiguous_boundaries(gm)
     for device in ("cpu", "meta"):  # PipelineStage infers its buffers with a run of its own
         x = torch.randn(2, 4, 5, device=device)
         outputs = stage(x)
         assert all(out.is_contiguous() for out in outputs), [o.stride() for o in outputs]
     torch.testing.assert_close(stage(x := torch.randn(2, 4, 5)), Cut()(x))
+
+
+def test_stage_input_gradients_sent_back_are_contiguous() -> None:
+    """A stage that transposes its input (as attention does with the output of the stage
+    before) gets a strided gradient from autograd; sent back, and used to size the previous
+    stage's receive buffer, it must be contiguous (gloo refused it in CI)."""
+    from autoopt.distributed import _contiguous_boundaries
+
+    class Attends(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(6, 5))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.transpose(1, 2) @ self.w
+
+    shape = (2, 6, 3)
+    with torch.enable_grad():
+        gm = export_graph(Attends(), (torch.randn(shape, requires_grad=True),), {})
+    x = torch.randn(shape, requires_grad=True)
+    (strided,) = torch.autograd.grad(gm(x).sum(), x)
+    assert not strided.is_contiguous()  # what the stage sent before
+    stage = _contiguous_boundaries(gm)
+    for device in ("cpu", "meta"):
+        x = torch.randn(shape, device=device, requires_grad=True)
+        (grad,) = torch.autograd.grad(stage(x).sum(), x)
+        assert grad.is_contiguous(), grad.stride()
+    x = torch.randn(shape, requires_grad=True)
+    torch.testing.assert_close(torch.autograd.grad(stage(x).sum(), x)[0], strided)
 
 
 @pytest.mark.slow
