@@ -7,8 +7,9 @@
 ``W'`` is ``W`` in MKL's packed GEMM layout (``cblas_sgemm_pack``) for this many rows of
 ``x``. Eager ``aten.linear`` runs the same MKL GEMM but repacks panels of ``W`` on every call;
 with the packing done once, BERT's and ViT's linear shapes measured 5–10% faster at 1024 rows
-and 20–28% at 128 (1 thread), with outputs bitwise equal to ``aten.linear``'s (same kernel,
-same summation order). The price is memory: the packed copy is about the weight's size, held
+and 20–28% at 128 (1 thread) on a Sapphire Rapids, with outputs equal to ``aten.linear``'s
+within fp32 rounding (same kernel; bitwise equal there, one ulp apart on an AMD EPYC at 2
+threads, where MKL splits the reduction differently). The price is memory: the packed copy is about the weight's size, held
 next to the original (which the graph shares with the user's model); the pass reports it as
 ``packed_mib``. Where a cost model is present, each distinct shape keeps whichever kernel it
 measures faster on this machine.

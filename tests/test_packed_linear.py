@@ -65,12 +65,14 @@ def _rewrite(model: nn.Module, x: torch.Tensor, **ctx_args: object,
     return result.graph_module, dict(result.counts)
 
 
-def _assert_bitwise_same(gm: GraphModule, model: nn.Module, shape: tuple[int, ...]) -> None:
-    """MKL's packed GEMM is the kernel aten.linear runs, in the same order: equal, not close."""
+def _assert_same_gemm(gm: GraphModule, model: nn.Module, shape: tuple[int, ...]) -> None:
+    """MKL's packed GEMM is the kernel aten.linear runs, but how it splits the reduction across
+    threads differs by CPU (equal on a Sapphire Rapids, one ulp apart on an AMD EPYC at 2
+    threads): the same function within fp32 rounding, not bitwise."""
     for _ in range(3):
         x = torch.randn(shape)
         with torch.no_grad():
-            torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+            torch.testing.assert_close(gm(x), model(x))  # fp32: rtol 1.3e-6, atol 1e-5
 
 
 def test_before_becomes_two_packed_calls() -> None:
@@ -81,7 +83,7 @@ def test_before_becomes_two_packed_calls() -> None:
     up, down = _packed_calls(gm)
     assert (tuple(up.weight.shape), up.rows) == ((48, 16), 10)
     assert aten.gelu.default in _targets(gm)  # the activation stays its own op
-    _assert_bitwise_same(gm, model, (2, 5, 16))
+    _assert_same_gemm(gm, model, (2, 5, 16))
 
 
 def test_addmm_and_mm_on_a_constant_right_hand_side() -> None:
@@ -93,7 +95,7 @@ def test_addmm_and_mm_on_a_constant_right_hand_side() -> None:
     first = _packed_calls(gm)[0]
     assert first.weight.shape == (24, 16)
     assert first.weight.untyped_storage().data_ptr() == model.weight.untyped_storage().data_ptr()
-    _assert_bitwise_same(gm, model, (3, 4, 16))
+    _assert_same_gemm(gm, model, (3, 4, 16))
 
 
 def test_another_row_count_falls_back_to_the_unpacked_weight() -> None:
@@ -103,7 +105,7 @@ def test_another_row_count_falls_back_to_the_unpacked_weight() -> None:
     kernel = _packed_calls(gm)[0]
     x = torch.randn(7, 16)
     with torch.no_grad():
-        torch.testing.assert_close(kernel(x, model.up.bias), model.up(x), rtol=0, atol=0)
+        torch.testing.assert_close(kernel(x, model.up.bias), model.up(x))
 
 
 class Unsafe(nn.Module):
@@ -196,7 +198,7 @@ def test_repacks_when_the_thread_count_changes() -> None:
         assert {k.threads for k in kernels} == {1}
         first = [k.packed for k in kernels]
         torch.set_num_threads(2)
-        _assert_bitwise_same(gm, model, (2, 5, 16))
+        _assert_same_gemm(gm, model, (2, 5, 16))
         assert {k.threads for k in kernels} == {2}
         assert all(k.packed is not old for k, old in zip(kernels, first, strict=True))
     finally:
