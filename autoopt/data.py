@@ -8,7 +8,8 @@ copies them to the device with ``non_blocking=True`` on a side stream, so the co
 compute on the main stream; the consumer's stream waits on the copy's event before it touches a
 batch. On the CPU the batches pass through unchanged (the thread still overlaps the loader's
 own work with the model's). Order is kept, no batch is lost or repeated, a loader's exception is
-re-raised in the consumer, and stopping early (``break``, ``close()``) ends the thread.
+re-raised in the consumer, and stopping early (``break``, ``close()`` from any thread, garbage
+collection, an exception) ends the thread and the loader's worker processes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -90,12 +92,12 @@ class Prefetcher:
         self.loader = loader
         self.device = device
         self.depth = depth
-        self._active: list[PrefetchIterator] = []
+        # Weak: a pass the consumer has dropped (a break) must be free to be collected.
+        self._active: weakref.WeakSet[PrefetchIterator] = weakref.WeakSet()
 
     def __iter__(self) -> PrefetchIterator:
-        self._active = [it for it in self._active if not it.closed]
         it = PrefetchIterator(iter(self.loader), self.device, self.depth)
-        self._active.append(it)
+        self._active.add(it)
         return it
 
     def __len__(self) -> int:
@@ -103,38 +105,53 @@ class Prefetcher:
 
     def close(self) -> None:
         """Stop every pass still running."""
-        for it in self._active:
+        for it in list(self._active):
             it.close()
         self._active.clear()
 
 
 class PrefetchIterator:
-    """One pass over the loader, fed by a background thread ``depth`` batches ahead."""
+    """One pass over the loader, fed by a background thread ``depth`` batches ahead.
+
+    The pass ends (the thread stops, a ``DataLoader``'s workers are shut down, a generator's
+    ``finally`` runs) when the loader is exhausted or raises, on ``close()`` from any thread,
+    at the end of a ``with`` block, and when the iterator is garbage collected, which is what
+    a ``break`` out of ``for batch in prefetch(...)`` does. The consumer never waits on the
+    thread without waking up to see whether the pass was closed.
+    """
 
     def __init__(self, source: Iterator[Any], device: torch.device, depth: int) -> None:
         self.device = device
-        self.closed = False
         self.wait_s = 0.0  # seconds the consumer spent waiting for a batch not yet ready
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._thread = threading.Thread(target=self._produce, args=(source,),
-                                         name="autoopt-prefetch", daemon=True)
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # The thread gets what it needs but never this object: a thread holding it would keep
+        # it alive, so dropping the iterator (a break) could never stop the thread. The source
+        # goes in a box the thread empties when it ends, so no frame keeps it alive after.
+        self._thread = threading.Thread(
+            target=_produce, args=([source], self._queue, self._stop, stream, device),
+            name="autoopt-prefetch", daemon=True)
         self._thread.start()
+        self._finalizer = weakref.finalize(self, _stop_producer, self._stop, self._queue)
 
     @property
     def thread(self) -> threading.Thread:
         return self._thread
 
+    @property
+    def closed(self) -> bool:
+        return self._stop.is_set()
+
     def __iter__(self) -> PrefetchIterator:
         return self
 
     def __next__(self) -> Any:
-        if self.closed:
-            raise StopIteration
         start = time.perf_counter()
-        item = self._queue.get()
-        self.wait_s += time.perf_counter() - start
+        try:
+            item = self._get()
+        finally:
+            self.wait_s += time.perf_counter() - start
         if item is _END:
             self.close()
             raise StopIteration
@@ -151,17 +168,30 @@ class PrefetchIterator:
                     t.record_stream(current)
         return item.batch
 
-    def close(self) -> None:
-        """Stop the background thread and drop the batches it had ready."""
-        if self.closed:
-            return
-        self.closed = True
-        self._stop.set()
-        self._drain()
-        self._thread.join(timeout=10.0)
-        if self._thread.is_alive():  # the loader itself is stuck inside next(); daemon thread
-            log.warning("prefetch thread still inside the loader's next() after 10 s")
-        self._drain()
+    def _get(self) -> Any:
+        """The next item, waiting in short slices so a ``close()`` from another thread (which
+        sends nothing) ends the wait."""
+        while True:
+            if self._stop.is_set():
+                raise StopIteration
+            try:
+                return self._queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                # The producer always leaves an end marker or an error unless stopped; this
+                # only guards against a thread that died some other way.
+                if not self._thread.is_alive() and self._queue.empty():
+                    self.close()
+                    raise StopIteration from None
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the background thread (from any thread) and drop the batches it had ready."""
+        self._finalizer()  # runs once: later calls, and garbage collection, only join
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=timeout_s)
+            if self._thread.is_alive():  # the loader itself is stuck inside next()
+                log.warning("prefetch thread still inside the loader's next() after %.0f s; "
+                            "it ends when that call returns", timeout_s)
+        _drain(self._queue)
 
     def __enter__(self) -> PrefetchIterator:
         return self
@@ -169,59 +199,85 @@ class PrefetchIterator:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        if not getattr(self, "closed", True):
-            self.close()
 
-    # --- the producer thread -------------------------------------------------------------
+# --- the producer thread (module functions: the thread must not hold the iterator) -----------
 
-    def _produce(self, source: Iterator[Any]) -> None:
-        try:
-            for batch in source:
-                if self._stop.is_set():
-                    return
-                if not self._put(self._to_device(batch)):
-                    return
-            self._put(_END)
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, re-raised there
-            self._put(_Failed(exc))
-        finally:
-            close = getattr(source, "close", None)  # a generator's finally blocks run now
-            if callable(close):
-                try:
-                    close()
-                except Exception:  # noqa: BLE001 - closing a finished source is best effort
-                    pass
 
-    def _put(self, item: Any) -> bool:
-        """Hand ``item`` over, waiting for room; False once the consumer has stopped."""
-        while not self._stop.is_set():
+def _stop_producer(stop: threading.Event, out: queue.Queue[Any]) -> None:
+    """Tell the producer to end, and free the batches it had ready. Never waits: it also runs
+    at garbage collection, possibly on the producer thread itself."""
+    stop.set()
+    _drain(out)
+
+
+def _produce(box: list[Iterator[Any]], out: queue.Queue[Any], stop: threading.Event,
+             stream: torch.cuda.Stream | None, device: torch.device) -> None:
+    source = box.pop()
+    try:
+        while not stop.is_set():
             try:
-                self._queue.put(item, timeout=_POLL_S)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _to_device(self, batch: Any) -> _Ready:
-        if self._stream is None:
-            return _Ready(batch, None)
-        with torch.cuda.stream(self._stream):
-            moved = pytree.tree_map_only(torch.Tensor, self._copy, batch)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        return _Ready(moved, event)
-
-    def _copy(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device == self.device:
-            return t
-        if t.device.type == "cpu" and not t.is_pinned():
-            t = t.pin_memory()  # only pinned host memory can be copied asynchronously
-        return t.to(self.device, non_blocking=True)
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
+                batch = next(source)
+            except StopIteration:
+                _put(out, stop, _END)
                 return
+            if not _put(out, stop, _to_device(batch, stream, device)):
+                return
+    except BaseException as exc:  # noqa: BLE001 - handed to the consumer, re-raised there
+        _put(out, stop, _Failed(exc))
+    finally:
+        _end_source(source)
+        # The error handed over keeps this frame alive through its traceback.
+        del source
+
+
+def _end_source(source: Iterator[Any]) -> None:
+    """End what the source holds: a generator's ``finally`` blocks run now, and a
+    ``DataLoader``'s worker processes exit (its iterator would only shut them down when
+    garbage collected, which an error's traceback, holding its frames, can put off
+    indefinitely). Persistent workers are the loader's to keep across passes."""
+    close = getattr(source, "close", None)
+    shutdown = (None if getattr(source, "_persistent_workers", False)
+                else getattr(source, "_shutdown_workers", None))
+    for end in (close, shutdown):
+        if callable(end):
+            try:
+                end()
+            except Exception:  # noqa: BLE001 - ending a finished source is best effort
+                log.debug("prefetch: ending the loader's iterator failed", exc_info=True)
+
+
+def _put(out: queue.Queue[Any], stop: threading.Event, item: Any) -> bool:
+    """Hand ``item`` over, waiting for room; False once the consumer has stopped."""
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=_POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _to_device(batch: Any, stream: torch.cuda.Stream | None, device: torch.device) -> _Ready:
+    if stream is None:
+        return _Ready(batch, None)
+    with torch.cuda.stream(stream):
+        moved = pytree.tree_map_only(torch.Tensor, lambda t: _copy(t, device), batch)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return _Ready(moved, event)
+
+
+def _copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()  # only pinned host memory can be copied asynchronously
+    return t.to(device, non_blocking=True)
+
+
+def _drain(out: queue.Queue[Any]) -> None:
+    while True:
+        try:
+            out.get_nowait()
+        except queue.Empty:
+            return

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -112,6 +114,117 @@ def test_a_generator_source_is_closed_when_the_consumer_stops() -> None:
     assert next(it).item() == 0
     it.close()
     assert finished.wait(5.0)
+
+
+def _new_threads(before: set[threading.Thread], wait_s: float = 5.0) -> list[threading.Thread]:
+    """Prefetch threads started since ``before`` that are still alive after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = [t for t in threading.enumerate()
+                 if t.name == "autoopt-prefetch" and t not in before]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.02)
+
+
+def _children(wait_s: float = 5.0) -> list[multiprocessing.process.BaseProcess]:
+    """Child processes (DataLoader workers) still alive after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return multiprocessing.active_children()
+
+
+def test_break_out_of_a_plain_for_loop_ends_the_thread_workers_and_generator() -> None:
+    """No ``with``, no ``close()``: the loop drops the iterator, and that must end the pass
+    (before, each epoch left its thread and its two worker processes alive for good)."""
+    before = set(threading.enumerate())
+    assert not _children(0.0)
+    batches = prefetch(DataLoader(_Numbered(400), batch_size=2, num_workers=2), depth=2)
+    for _ in range(3):
+        for i, _ in enumerate(batches):
+            if i == 2:
+                break
+    assert _new_threads(before) == []
+    assert _children() == []
+
+    finished = threading.Event()
+
+    def source() -> Iterator[torch.Tensor]:
+        try:
+            yield from (torch.tensor([i]) for i in range(10_000))
+        finally:
+            finished.set()
+
+    for i, _ in enumerate(prefetch(_Iterable(source), depth=2)):
+        if i == 1:
+            break
+    assert finished.wait(5.0)  # the generator's finally ran
+    assert _new_threads(before) == []
+
+
+def test_an_exception_in_the_loop_body_ends_the_pass() -> None:
+    before = set(threading.enumerate())
+    with pytest.raises(ValueError, match="training step failed"):
+        for _ in prefetch(DataLoader(_Numbered(1000, delay_s=0.001), batch_size=2), depth=2):
+            raise ValueError("training step failed")
+    assert _new_threads(before) == []
+
+
+def test_a_loader_error_shuts_down_its_workers() -> None:
+    """The error's traceback holds the DataLoader iterator (the consumer keeps it), so the
+    workers are shut down explicitly rather than when that iterator is collected."""
+    loader = DataLoader(_Numbered(20, fail_at=9), batch_size=4, num_workers=2)
+    with pytest.raises(RuntimeError, match="item 9 is corrupt") as caught:
+        list(prefetch(loader, depth=2))
+    assert caught.value is not None  # the traceback is still held here
+    assert _children() == []
+
+
+def test_close_from_another_thread_wakes_the_waiting_consumer() -> None:
+    """The consumer waits for a batch the loader is slow to make; a close() from another
+    thread (a watchdog, a signal handler's helper) must end that wait at once."""
+    release, finished = threading.Event(), threading.Event()
+
+    def stuck() -> Iterator[torch.Tensor]:
+        try:
+            yield torch.tensor([0])
+            release.wait(30.0)  # a loader stuck in I/O
+            yield torch.tensor([1])
+        finally:
+            finished.set()
+
+    it = iter(prefetch(_Iterable(stuck), depth=1))
+    assert next(it).item() == 0
+    outcome: list[str] = []
+
+    def consume() -> None:
+        try:
+            next(it)
+            outcome.append("batch")
+        except StopIteration:
+            outcome.append("stopped")
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    time.sleep(0.2)  # the consumer is waiting now
+    closer = threading.Thread(target=it.close, daemon=True)  # waits for the stuck producer
+    closer.start()
+    consumer.join(5.0)
+    assert not consumer.is_alive() and outcome == ["stopped"]
+    release.set()  # the loader's call returns; the producer sees the close and ends it
+    closer.join(5.0)
+    assert not closer.is_alive() and not it.thread.is_alive() and finished.is_set()
+
+
+class _Iterable:
+    """A loader whose passes are ``make()``'s generators."""
+
+    def __init__(self, make: Callable[[], Iterator[torch.Tensor]]) -> None:
+        self.make = make
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return self.make()
 
 
 def test_bad_arguments_name_what_to_do() -> None:
