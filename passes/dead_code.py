@@ -9,20 +9,22 @@ from __future__ import annotations
 from torch.fx import GraphModule
 
 from .base import PassContext, PassResult
+from .graph import is_impure
 
 
 def eliminate_dead_code(gm: GraphModule, ctx: PassContext) -> PassResult:
     """Erase pure nodes with no users; in-place updates (BatchNorm statistics) and guards stay.
 
-    FX's ``eliminate_dead_code`` already refuses to erase impure nodes (mutating ATen overloads,
-    modules marked impure such as export's input guards); this pass adds the count.
+    Purity is ``graph.is_impure``'s, not FX's default: FX reads mutation from ATen schemas
+    only, so in a Dynamo or ``symbolic_trace`` graph it would erase ``count.add_(1)``,
+    ``x.mul_(2)`` or a training BatchNorm whose output is unused.
 
     Args:
         gm: the graph module, rewritten in place.
         ctx: unused; dead-code removal needs no cost model.
     """
     before = len(gm.graph.nodes)
-    modified = gm.graph.eliminate_dead_code()
+    modified = gm.graph.eliminate_dead_code(is_impure_node=is_impure)
     removed = before - len(gm.graph.nodes)
     if modified:
         gm.recompile()

@@ -6,8 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 from torch.fx import GraphModule, Node
 from torch.fx.operator_schemas import normalize_function
+
+from . import ops
 
 
 def call_kwargs(node: Node) -> dict[str, Any] | None:
@@ -77,3 +80,65 @@ def fake_like(gm: GraphModule, value: torch.Tensor) -> torch.Tensor:
     mode = next((n.meta["val"].fake_mode for n in gm.graph.nodes
                  if isinstance(n.meta.get("val"), FakeTensor)), None) or FakeTensorMode()
     return mode.from_tensor(value, static_shapes=True)
+
+
+def is_impure(node: Node) -> bool:
+    """Whether running ``node`` does more than compute its result, so that it must run even when
+    nobody reads the result: it writes a tensor in place, draws random numbers, changes grad
+    mode, or is a placeholder, output or guard.
+
+    FX answers this for ATen overloads from their schemas, but calls every torch-level
+    ``call_method`` pure and knows nothing of ``out=``, ``inplace=True`` or the statistics a
+    training BatchNorm updates; Dynamo graphs are written with exactly those
+    (``self.count.add_(1)``, ``num_batches_tracked.add_(1)``, ``x[:, 0] = 1``).
+
+    Example:
+        >>> gm.graph.eliminate_dead_code(is_impure_node=is_impure)
+    """
+    if node.op in ("placeholder", "output"):
+        return True
+    if node.op == "call_module":
+        return _module_is_impure(attr(node.graph.owning_module, node.target))
+    if node.kwargs.get("out") is not None:
+        return True
+    if node.op == "call_method":
+        return _inplace_name(str(node.target)) or node.target in ops.INPLACE_DUNDER_METHODS
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target in ops.INPLACE_OPERATORS or node.is_impure():
+        return True
+    if target in ops.STATISTICS_UPDATING_FUNCTIONS:
+        return _updates_statistics(call_kwargs(node))
+    if isinstance(target, torch._ops.OpOverload):
+        return False  # its schema, which FX read, says whether it writes
+    if _inplace_name(getattr(target, "__name__", "")) or node.kwargs.get("inplace"):
+        return True
+    kwargs = call_kwargs(node)  # `F.relu(x, True)`: inplace given by position
+    return bool(kwargs and kwargs.get("inplace"))
+
+
+def _updates_statistics(kwargs: dict[str, Any] | None) -> bool:
+    if kwargs is None:
+        return True  # unreadable arguments: assume the write
+    batch_statistics = kwargs.get("training", kwargs.get("use_input_stats", True))
+    return batch_statistics is not False and kwargs.get("running_mean") is not None
+
+
+def _inplace_name(name: str) -> bool:
+    """PyTorch's convention: ``add_``, ``relu_``, ``copy_`` write to their first argument."""
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _module_is_impure(module: Any) -> bool:
+    if isinstance(module, GraphModule):
+        return any(n.op not in ("placeholder", "output") and is_impure(n)
+                   for n in module.graph.nodes)
+    if not isinstance(module, nn.Module) or getattr(module, "_is_impure", False):
+        return True
+    if not type(module).__module__.startswith("torch.nn."):
+        return True  # a user's leaf module: its forward is not visible to check
+    if any(getattr(m, "inplace", False) for m in module.modules()):
+        return True
+    # BatchNorm and InstanceNorm update running statistics, but only in training.
+    return module.training and next(module.buffers(), None) is not None

@@ -80,3 +80,19 @@ TRANSPOSE = frozenset({aten.transpose.int})
 TANH = frozenset({aten.tanh.default, torch.tanh})
 ERF = frozenset({aten.erf.default, torch.erf})
 POW = frozenset({aten.pow.Tensor_Scalar, torch.pow, operator.pow})
+
+# Python operators that write to their first argument: `x[i] = v` and `x += y` in Dynamo graphs.
+INPLACE_OPERATORS = frozenset(
+    {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
+     operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
+     operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift}
+)
+# The same operators called as tensor methods (`call_method __iadd__`).
+INPLACE_DUNDER_METHODS = frozenset(f"__{op.__name__}__" for op in INPLACE_OPERATORS)
+
+# Normalizations that update their running statistics in place when computing batch statistics
+# (`training` / `use_input_stats`), although neither the functions nor the ATen schema say so.
+STATISTICS_UPDATING_FUNCTIONS = frozenset(
+    {F.batch_norm, torch.batch_norm, aten.batch_norm.default, F.instance_norm,
+     torch.instance_norm, aten.instance_norm.default}
+)
