@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from .capture import annotate
+from .capture import annotate, concrete_inputs
 from .config import OptimizeConfig
 from .cost_model import CostModel
 from .passes import PassContext
@@ -31,7 +31,8 @@ def autoopt_backend(gm: GraphModule, example_inputs: Sequence[Any], *,
 
     Args:
         gm: the subgraph, at torch-function level, parameters as inputs.
-        example_inputs: its real example inputs.
+        example_inputs: its example inputs: real tensors, and a ``SymInt`` for each size
+            Dynamo made dynamic.
         config: autoopt options.
         record: where to add this subgraph's pass records (``optimize`` passes one).
         options: ``OptimizeConfig`` fields merged into ``config``, as ``torch.compile(model,
@@ -43,7 +44,8 @@ def autoopt_backend(gm: GraphModule, example_inputs: Sequence[Any], *,
     start = time.perf_counter()
     annotate(gm, list(example_inputs))
     reference = copy_graph_module(gm)
-    inputs = list(example_inputs)
+    # Passes and verification run the graph on real tensors, which take sizes, not symbols.
+    inputs = concrete_inputs(list(example_inputs))
 
     def check(candidate: GraphModule) -> VerifyResult:
         return verify_graph(reference, candidate, inputs, config)

@@ -22,9 +22,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils import _pytree as pytree
+
+from .state import preserved
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +48,10 @@ def export_graph(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, 
     with _quiet_export():
         program = torch.export.export(module, tuple(args), dict(kwargs), strict=False,
                                       dynamic_shapes=dynamic_shapes)
-    return _without_runtime_checks(program.module())
+    gm = _without_runtime_checks(program.module())
+    # The sizes export proved the graph for (the signature guards them instead of _guards_fn).
+    gm.meta["range_constraints"] = dict(program.range_constraints)
+    return gm
 
 
 def _without_runtime_checks(unlifted: GraphModule) -> GraphModule:
@@ -136,31 +142,115 @@ def symbolic_trace_graph(module: nn.Module, args: tuple[Any, ...], kwargs: Mappi
     bound.apply_defaults()
     concrete = {name: value for name, value in bound.arguments.items()
                 if not isinstance(value, torch.Tensor)}
-    gm = torch.fx.symbolic_trace(module, concrete_args=concrete or None)
+    tracer = _BufferTracer()
+    graph = tracer.trace(module, concrete_args=concrete or None)
+    gm = GraphModule(tracer.root, graph, module.__class__.__name__)
     annotate(gm, list(positional(*args, **kwargs)))
     return gm, positional
 
 
+class _BufferTracer(torch.fx.Tracer):
+    """``symbolic_trace``'s tracer, but a buffer read in ``forward`` is a graph node too.
+
+    By default FX hands ``forward`` the real buffer, so ``self.count.add_(1)`` runs once on the
+    live tensor while tracing and is missing from the graph, which then never counts.
+    """
+
+    proxy_buffer_attributes = True
+
+
 def annotate(gm: GraphModule, example_inputs: list[Any]) -> GraphModule:
-    """Give every node without ``meta["val"]`` one, by running the graph once on real inputs
-    (``example_value`` from Dynamo is reused where present)."""
-    if all(_has_val(n) for n in gm.graph.nodes if n.op != "output"):
-        return gm
-    missing = [n for n in gm.graph.nodes if n.op != "output" and not _has_val(n)]
-    if all("example_value" in n.meta for n in missing):
-        for n in missing:
+    """Give every node without ``meta["val"]`` one: Dynamo's ``example_value`` where present,
+    else by propagating fake tensors through the graph.
+
+    The graph never runs on the caller's tensors: its in-place writes (``x[:, 0] = 1``,
+    ``x.mul_(2)``, BatchNorm statistics) would happen once more than the user asked for. Only
+    a graph fake tensors cannot follow (``.item()`` deciding a shape) runs for real, on
+    copies of the inputs with the module's buffers put back.
+    """
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    for n in nodes:
+        if "val" not in n.meta and "example_value" in n.meta:
             n.meta["val"] = n.meta["example_value"]
+    if all("val" in n.meta for n in nodes):
         return gm
-    _MetaRecorder(gm).run(*example_inputs)
+    try:
+        # Dynamo's own fake mode (its shape environment holds the graph's symbols), else one
+        # with static shapes.
+        mode = detect_fake_mode([n.meta.get("val") for n in nodes]) or FakeTensorMode()
+        _FakeRecorder(gm, mode).run(*example_inputs)
+    except Exception as exc:  # noqa: BLE001 - any op fake tensors cannot run
+        log.debug("fake propagation failed (%s: %s); recording from a run on copies",
+                  type(exc).__name__, exc)
+        private = [x.detach().clone().requires_grad_(x.requires_grad)
+                   if isinstance(x, torch.Tensor) else x for x in concrete_inputs(example_inputs)]
+        with preserved(gm):
+            _MetaRecorder(gm).run(*private)
     return gm
 
 
-def _has_val(node: Node) -> bool:
-    return "val" in node.meta
+def concrete_inputs(values: list[Any]) -> list[Any]:
+    """``values`` with each symbolic number (Dynamo passes a dynamic size as a ``SymInt``
+    input) replaced by the value it has in this call, so the graph can run on real tensors."""
+    def concrete(value: Any) -> Any:
+        if not isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return value
+        hint = value.node.hint
+        if hint is None:
+            raise ValueError(f"symbolic input {value} has no concrete value to run with")
+        return hint
+
+    return [concrete(v) for v in values]
+
+
+class _FakeRecorder(Interpreter):
+    """Runs the graph on fake tensors and stores each missing result in ``meta["val"]``.
+
+    Nodes that already have a value keep it (Dynamo computed it while tracing); weights and
+    module state reach the graph as fakes, so nothing real is read or written.
+    """
+
+    def __init__(self, gm: GraphModule, mode: FakeTensorMode) -> None:
+        super().__init__(gm)
+        self._mode = mode
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        with self._mode:
+            return super().run(*args, **kwargs)
+
+    def run_node(self, n: Node) -> Any:
+        if n.op == "output":
+            return super().run_node(n)
+        if "val" in n.meta:
+            if n.op == "placeholder":
+                next(self.args_iter)  # keep the later placeholders on their own inputs
+            return n.meta["val"]
+        result = super().run_node(n)
+        n.meta["val"] = result
+        return result
+
+    def placeholder(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return self._fake(super().placeholder(target, args, kwargs))
+
+    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return self._fake(super().get_attr(target, args, kwargs))
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        module = self.fetch_attr(target)
+        state = {name: self._fake(t) for name, t in
+                 [*module.named_parameters(remove_duplicate=False),
+                  *module.named_buffers(remove_duplicate=False)]}
+        return torch.func.functional_call(module, state, tuple(args), dict(kwargs))
+
+    def _fake(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor):
+            return value
+        return self._mode.from_tensor(value, static_shapes=True)
 
 
 class _MetaRecorder(Interpreter):
-    """Runs the graph for real and stores a fake copy of each result in ``meta["val"]``."""
+    """Runs the graph for real and stores a fake copy of each missing result in
+    ``meta["val"]``."""
 
     def __init__(self, gm: GraphModule) -> None:
         super().__init__(gm)
@@ -168,7 +258,7 @@ class _MetaRecorder(Interpreter):
 
     def run_node(self, n: Node) -> Any:
         result = super().run_node(n)
-        if n.op != "output":
+        if n.op != "output" and "val" not in n.meta:
             n.meta["val"] = pytree.tree_map_only(torch.Tensor, self._to_fake, result)
         return result
 
