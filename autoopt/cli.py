@@ -6,10 +6,11 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
-from .errors import AutoOptError
+from .errors import AutoOptError, ConfigError
 from .onnx import DYNAMIC_DIMS, EXPORTERS, OnnxSession
 
 
@@ -134,11 +135,18 @@ def _add_diagnosis_commands(sub: argparse._SubParsersAction) -> None:
                      help="leave a pass out (repeatable)")
 
 
+# The file each command writes, as (attribute, option): checked before the work starts.
+_OUTPUTS = {"optimize": ("save", "--save"), "profile": ("json", "--json"),
+            "export": ("output", "-o"), "report": ("output", "-o"),
+            "partition": ("plot", "--plot")}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        _check_output(args)
         if args.command == "optimize":
             return _optimize(args)
         if args.command == "profile":
@@ -167,6 +175,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1
 
 
+def _check_output(args: argparse.Namespace) -> None:
+    """Make the output's folder and check the file can be written, so that a bad path fails
+    in a second, not after minutes of optimizing and measuring."""
+    from .onnx import check_writable
+
+    attribute, option = _OUTPUTS.get(args.command, (None, None))
+    value = getattr(args, attribute, None) if attribute else None
+    if not value:
+        return
+    path = Path(value)
+    if path.is_dir():
+        raise ConfigError(f"{option} {value!r} is a directory; give a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{option} {value!r}: cannot create the folder {str(path.parent)!r} "
+                          f"({exc.strerror or exc}); choose a writable path.") from exc
+    check_writable(path, f"{option} {value!r}")
+
+
 def _optimize(args: argparse.Namespace) -> int:
     from .api import optimize
     from .emit import save_program
@@ -183,7 +211,7 @@ def _optimize(args: argparse.Namespace) -> int:
     print(optimized.report)
     if args.save:
         save_program(optimized, inputs, kwargs, args.save)
-        print(f"saved {args.save}")
+        print(f"saved {args.save}" + (" (dynamic dimensions kept)" if args.dynamic else ""))
     return 0
 
 
@@ -254,6 +282,9 @@ def _onnx_feeds(session: OnnxSession, specs: list[str], int_high: int,
         if target not in names:
             raise InputError(f"--input {spec!r}: the model has no input {target!r}; its "
                              f"inputs are {names}")
+        if target in feeds:
+            raise InputError(f"--input {spec!r}: input {target!r} is given twice; give each "
+                             f"input once")
         dtype = session.input_types.get(target) or torch.float32
         _, tensor = parse_input(spec, str(dtype).removeprefix("torch."), int_high)
         feeds[target] = tensor

@@ -18,6 +18,13 @@ class InputError(AutoOptError, ValueError):
     """The example inputs do not fit the model (wrong container, dtype or device)."""
 
 
+class ArgumentError(InputError, TypeError):
+    """A call's arguments do not bind to the inputs: one given twice, too many, missing.
+
+    A ``TypeError``, as Python's own for such a call, and an ``InputError``.
+    """
+
+
 class ConfigError(AutoOptError, ValueError):
     """An option passed to ``optimize`` is unknown or has an impossible value."""
 

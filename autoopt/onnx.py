@@ -21,6 +21,7 @@ onnx and onnxruntime are imported inside the functions: ``import autoopt`` stays
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import io
 import logging
@@ -42,6 +43,7 @@ from torch.utils import _pytree as pytree
 from . import precision as precision_lib
 from .capture import dynamic_shapes_for
 from .errors import (
+    ArgumentError,
     AutoOptError,
     ConfigError,
     DeviceError,
@@ -79,7 +81,10 @@ class OnnxReport:
         outputs: output names, in order.
         external_data: whether the weights went to ``<path>.data``.
         nodes_before: ONNX nodes by op type, as exported.
-        nodes_after: nodes by op type after ORT's graph optimizations (ORT_ENABLE_ALL, CPU).
+        nodes_after: nodes by op type after ORT's graph optimizations (ORT_ENABLE_ALL, CPU);
+            empty when ORT could not load the file.
+        ort_error: why ONNX Runtime could not load the file (``verify=False`` only: with
+            verification that is a ``ConfigError``); empty when it could.
         verification: ORT against eager on the example and fresh random inputs.
         dynamic_verification: the same at dynamic dimensions one larger (when dynamic).
         seconds: wall time of the whole export, checks included.
@@ -95,6 +100,7 @@ class OnnxReport:
     external_data: bool = False
     nodes_before: dict[str, int] = field(default_factory=dict)
     nodes_after: dict[str, int] = field(default_factory=dict)
+    ort_error: str = ""
     verification: VerifyResult | None = None
     dynamic_verification: VerifyResult | None = None
     seconds: float = 0.0
@@ -120,7 +126,11 @@ class OnnxReport:
         shapes = ", ".join(f"{n}[{', '.join(map(str, s))}]" for n, s in self.inputs.items())
         lines.append(f"    inputs: {shapes}")
         lines.append(f"    outputs: {', '.join(self.outputs)}")
-        if self.nodes_before:
+        if self.nodes_before and self.ort_error:
+            lines.append(f"    nodes: {sum(self.nodes_before.values())} exported; ONNX Runtime "
+                         f"here cannot load the file: {self.ort_error}")
+            lines.append(f"        exported: {_top(self.nodes_before)}")
+        elif self.nodes_before:
             lines.append(f"    nodes: {sum(self.nodes_before.values())} exported -> "
                          f"{sum(self.nodes_after.values())} after ORT optimizations")
             lines.append(f"        exported: {_top(self.nodes_before)}")
@@ -197,15 +207,17 @@ def export_onnx(model_or_optimized: nn.Module, example_inputs: Any, path: str | 
     dims = _check_dynamic(dynamic)
     if exporter not in EXPORTERS:
         raise ConfigError(f"exporter={exporter!r}; use one of {EXPORTERS}")
+    if precision == "int8":
+        raise ConfigError(_INT8_MESSAGE)
     args, kwargs = _check_inputs(example_inputs, example_kwargs)
+    _check_dims_apply(dims, args, kwargs)
     if isinstance(model_or_optimized, OptimizedModule):
         optimized = model_or_optimized
-        if dims and not (optimized._dynamic or optimized._dynamic_shapes is not None):
-            raise ConfigError(f"dynamic={dims} but this OptimizedModule was built for static "
-                              "shapes; pass the nn.Module itself, or optimize it with "
-                              "dynamic=True.")
+        _check_optimized(optimized, dims, precision, config)
+        kwargs = _in_forward_order(optimized.module.forward, kwargs)
     elif isinstance(model_or_optimized, nn.Module):
-        with _eval_mode(model_or_optimized):
+        kwargs = _in_forward_order(model_or_optimized.forward, kwargs)
+        with eval_mode(model_or_optimized):
             shapes = _dynamic_shapes(model_or_optimized.forward, args, kwargs, dims)
             optimized = optimize(model_or_optimized, args, kwargs,
                                  config=precision_lib.export_config(config, precision),
@@ -217,10 +229,12 @@ def export_onnx(model_or_optimized: nn.Module, example_inputs: Any, path: str | 
     if tolerances is None and optimized._config.precision not in (None, "fp32"):
         tolerances = optimized._config.tolerances  # the precision's end-to-end tolerance
     with torch.no_grad():
-        gm, method = _whole_graph(optimized, args, kwargs)
         expected = eager(*args, **kwargs)
+        gm, method = _whole_graph(optimized, args, kwargs, expected)
+    if _quantized_ops(gm):
+        raise ConfigError(_INT8_MESSAGE)
 
-    input_names = _input_names(gm, args, kwargs)
+    input_names = _input_names(eager.forward, args, kwargs)
     output_names = _output_names(expected)
     external = _weight_bytes(gm) > _PROTOBUF_LIMIT
     shapes = _dynamic_shapes(gm.forward, args, kwargs, dims, named=True)
@@ -237,9 +251,22 @@ def export_onnx(model_or_optimized: nn.Module, example_inputs: Any, path: str | 
                         external_data=external, nodes_before=_count_nodes(proto))
     with tempfile.TemporaryDirectory() as tmp:
         optimized_path = Path(tmp) / "ort_optimized.onnx"
-        session = onnx_session(path, optimized_model_path=optimized_path)
-        report.nodes_after = _count_nodes(onnx.load(str(optimized_path),
-                                                    load_external_data=False))
+        try:
+            session = onnx_session(path, optimized_model_path=optimized_path)
+        except ModelSpecError as exc:
+            # The file is valid ONNX (the checker passed), but this ONNX Runtime lacks a kernel
+            # for one of its ops: bf16 Gemm on the CPU provider, say. Other runtimes may have it.
+            report.ort_error = _first_line(exc.__cause__ or exc)
+            if verify:
+                raise ConfigError(
+                    f"wrote {path}, but ONNX Runtime on this machine cannot load it to verify it "
+                    f"({report.ort_error}). The file is kept for a runtime that has these "
+                    f"kernels; pass verify=False (--no-verify) to export without the check"
+                    + (", or export in fp32 or fp16" if precision == "bf16" else "")
+                    + ".") from exc
+        else:
+            report.nodes_after = _count_nodes(onnx.load(str(optimized_path),
+                                                        load_external_data=False))
     if verify:
         _verify(report, session, eager, args, kwargs, input_names, dims, random_inputs,
                 tolerances)
@@ -256,6 +283,12 @@ def export_onnx(model_or_optimized: nn.Module, example_inputs: Any, path: str | 
 
 # --- what to export --------------------------------------------------------------------------
 
+_INT8_MESSAGE = (
+    "precision='int8' cannot be exported to ONNX: autoopt's int8 is PyTorch dynamic "
+    "quantization (quantized::linear_dynamic with packed weights), which neither ONNX exporter "
+    "translates. Export in fp32 and quantize the file with ONNX Runtime "
+    "(onnxruntime.quantization.quantize_dynamic), or export with precision='fp16'.")
+
 
 def _check_path(path: str | Path) -> Path:
     path = Path(path)
@@ -265,7 +298,78 @@ def _check_path(path: str | Path) -> Path:
     if not path.parent.is_dir():
         raise ConfigError(f"cannot write {str(path)!r}: directory {str(path.parent)!r} does "
                           "not exist")
+    check_writable(path, f"path {str(path)!r}")
     return path
+
+
+def check_writable(path: Path, what: str) -> None:
+    """Raise ``ConfigError`` now if ``path`` cannot be written, rather than after the work.
+
+    Opening is the only reliable test (``os.access`` says yes to root in ``/proc``); append mode
+    leaves an existing file as it is, and a file made by the test is removed again.
+    """
+    existed = path.exists()
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{what}: cannot write there ({exc.strerror or exc}); choose a "
+                          f"writable path.") from exc
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
+def _check_optimized(optimized: Any, dims: tuple[str, ...], precision: str | None,
+                     config: Any) -> None:
+    """An ``OptimizedModule`` is exported as it was built: refuse options it cannot honour."""
+    if dims and not (optimized._dynamic or optimized._dynamic_shapes is not None):
+        raise ConfigError(f"dynamic={dims} but this OptimizedModule was built for static "
+                          "shapes; pass the nn.Module itself, or optimize it with "
+                          "dynamic=True.")
+    built = optimized._config.precision
+    if precision is not None and precision != (built or "fp32"):
+        raise ConfigError(f"precision={precision!r}, but this OptimizedModule was optimized "
+                          f"with precision={built!r} and is exported as it is; pass the "
+                          f"nn.Module itself, or optimize it with precision={precision!r}.")
+    if config is not None:
+        raise ConfigError("config= sets how export_onnx optimizes a plain nn.Module; this "
+                          "OptimizedModule is exported as it was built. Pass the nn.Module "
+                          "itself, or optimize it with that config.")
+
+
+def _in_forward_order(forward: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` in ``forward``'s parameter order (names it does not list last, as given).
+
+    The exporters order ONNX inputs as the keywords were given, and the session takes
+    positional inputs in the file's order: this makes that order the model's own.
+    """
+    try:
+        order = list(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):
+        return kwargs
+    rank = {name: i for i, name in enumerate(order)}
+    return dict(sorted(kwargs.items(), key=lambda kv: rank.get(kv[0], len(order))))
+
+
+def _check_dims_apply(dims: tuple[str, ...], args: tuple[Any, ...],
+                      kwargs: Mapping[str, Any]) -> None:
+    """Each dimension ``dynamic=`` names must exist on some input; else the file would be
+    static while the report says it is dynamic."""
+    tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    for dim in dims:
+        if not any(dim in _dims_of(t, (dim,)).values() for t in tensors):
+            rule = ("dim 0 of a tensor input" if dim == "batch" else
+                    "dim 1 of an integer or bool input with at least two dimensions "
+                    "(token ids, masks)")
+            shapes = ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+                               for t in tensors) or "none"
+            raise ConfigError(f"dynamic={dim!r} means {rule}, and no example input has one "
+                              f"(tensor inputs: {shapes}); leave {dim!r} out.")
+
+
+def _quantized_ops(gm: GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes
+            if n.op == "call_function" and getattr(n.target, "namespace", "") == "quantized"]
 
 
 def _check_dynamic(dynamic: str | Sequence[str]) -> tuple[str, ...]:
@@ -278,14 +382,16 @@ def _check_dynamic(dynamic: str | Sequence[str]) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """ONNX files are for inference: capture in eval mode, then give the model its mode back."""
-    training = model.training
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """ONNX files are for inference: capture in eval mode, then give each submodule its own
+    mode back (a train-mode model may hold frozen eval-mode BatchNorms)."""
+    modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
         yield
     finally:
-        model.train(training)
+        for module, training in modes:
+            module.training = training
 
 
 def _dims_of(value: torch.Tensor, dims: tuple[str, ...]) -> dict[int, str]:
@@ -325,12 +431,20 @@ def _dynamic_shapes(forward: Any, args: tuple[Any, ...], kwargs: Mapping[str, An
 
 
 def _whole_graph(optimized: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 ) -> tuple[GraphModule, str]:
+                 expected: Any) -> tuple[GraphModule, str]:
     """The optimized graph module ``optimized`` runs for these inputs (as ``save_program``)."""
     spec = optimized._find(args, kwargs)
     if spec is None:
         spec = optimized.specialize(args, kwargs)
     if not isinstance(spec.graph, GraphModule):
+        unregistered = _unregistered_dataclass(expected)
+        if unregistered is not None:
+            name = unregistered.__name__
+            raise ModelError(f"cannot export to ONNX: the model returns the dataclass {name}, "
+                             f"which torch.export cannot take apart (it is not registered as "
+                             f"a pytree node). Register it once before exporting, "
+                             f"torch.export.register_dataclass({name}), or return a tuple or "
+                             f"dict.")
         attempts = "; ".join(f"{m}: {why}" for c in optimized.report.captures
                              for m, why in c.attempts)
         raise ModelError(f"cannot export to ONNX: the model was captured by {spec.method!r}, "
@@ -340,6 +454,21 @@ def _whole_graph(optimized: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     return portable(spec.graph), spec.method
 
 
+def _unregistered_dataclass(value: Any) -> type | None:
+    """The first dataclass type in an output that torch's pytree does not know."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        if type(value) not in pytree.SUPPORTED_NODES:
+            return type(value)
+        children = [getattr(value, f.name) for f in dataclasses.fields(value)]
+    elif isinstance(value, (list, tuple)):
+        children = list(value)
+    elif isinstance(value, dict):
+        children = list(value.values())
+    else:
+        return None
+    return next((t for t in map(_unregistered_dataclass, children) if t is not None), None)
+
+
 def _flat_tensors(args: tuple[Any, ...], kwargs: Mapping[str, Any],
                   names: Sequence[str]) -> dict[str, torch.Tensor]:
     tensors = [x for x in pytree.tree_leaves((tuple(args), dict(kwargs)))
@@ -347,16 +476,29 @@ def _flat_tensors(args: tuple[Any, ...], kwargs: Mapping[str, Any],
     return dict(zip(names, tensors, strict=True))
 
 
-def _input_names(gm: GraphModule, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+def _input_names(forward: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any],
                  ) -> list[str]:
-    """One name per tensor input, in pytree order: the forward's argument name, with
-    ``_0``, ``_key`` suffixes inside lists and dicts."""
+    """One name per tensor input, in pytree order of ``(args, kwargs)`` (the order the
+    exporters give the inputs): the forward's argument name, with ``_0``, ``_key`` suffixes
+    inside lists and dicts."""
     try:
-        bound = inspect.signature(gm.forward).bind(*args, **kwargs).arguments
-    except TypeError:
-        bound = {f"input_{i}": v for i, v in enumerate((*args, *kwargs.values()))}
+        parameters = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        parameters = []
+    positional = [p.name for p in parameters
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    star = next((p.name for p in parameters if p.kind is p.VAR_POSITIONAL), None)
+    extra = next((p.name for p in parameters if p.kind is p.VAR_KEYWORD), None)
+    bound: list[tuple[str, Any]] = []
+    for i, value in enumerate(args):
+        bound.append((positional[i] if i < len(positional) else
+                      f"{star}_{i - len(positional)}" if star else f"input_{i}", value))
+    for key, value in kwargs.items():
+        known = key in positional or any(p.name == key and p.kind is p.KEYWORD_ONLY
+                                         for p in parameters)
+        bound.append((key if known or not extra else f"{extra}_{key}", value))
     names = []
-    for name, value in bound.items():
+    for name, value in bound:
         flat, _ = pytree.tree_flatten_with_path(value)
         for key_path, leaf in flat:
             if isinstance(leaf, torch.Tensor):
@@ -487,9 +629,16 @@ def _quiet() -> Iterator[None]:
             log.debug("torch.onnx.export printed:\n%s", captured.getvalue())
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-    return lines[0][:300] if lines else ""
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first non-empty line of ``exc``, without terminal colour codes, cut at a word."""
+    text = _ANSI.sub("", str(exc)).strip()
+    line = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if len(line) <= limit:
+        return line
+    return line[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _opset(proto: Any) -> int:
@@ -576,23 +725,35 @@ class OnnxSession:
 
     def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor,
                  ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        # Bound as Python binds a call: positions first, in the file's input order (the
+        # forward's), then keywords, each input once.
         if len(args) > len(self.input_names):
-            raise InputError(f"{len(args)} positional inputs, but the model has "
-                             f"{len(self.input_names)}: {self.input_names}")
+            raise ArgumentError(f"{len(args)} positional inputs, but the model has "
+                                f"{len(self.input_names)}: {self.input_names}")
         feeds = dict(zip(self.input_names, args, strict=False))
+        twice = [name for name in kwargs if name in feeds]
+        if twice:
+            position = self.input_names.index(twice[0])
+            raise ArgumentError(f"got multiple values for input {twice[0]!r}: as positional "
+                                f"input {position} and as a keyword (the inputs, in order, "
+                                f"are {self.input_names})")
         feeds.update(kwargs)
         outputs = self.run(feeds)
         values = tuple(outputs[n] for n in self.output_names)
         return values[0] if len(values) == 1 else values
 
-    def run(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run on ``{input name: tensor}``; return ``{output name: tensor}``."""
+    def run(self, feeds: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """Run on ``{input name: tensor}`` (torch tensors or numpy arrays); return
+        ``{output name: tensor}``."""
+        # Types first: a list where the file takes its tensors one by one is the real mistake,
+        # not the inputs it leaves missing.
+        feeds = {name: self._tensor(name, value) for name, value in feeds.items()}
         unknown = sorted(set(feeds) - set(self.input_names))
         missing = [n for n in self.input_names if n not in feeds]
         if unknown or missing:
-            raise InputError(f"the ONNX model's inputs are {self.input_names}; "
-                             + (f"unknown: {unknown} " if unknown else "")
-                             + (f"missing: {missing}" if missing else ""))
+            raise ArgumentError(f"the ONNX model's inputs are {self.input_names}; "
+                                + (f"unknown: {unknown} " if unknown else "")
+                                + (f"missing: {missing}" if missing else ""))
         try:
             if self._io_binding:
                 return self._run_bound(feeds)
@@ -605,6 +766,24 @@ class OnnxSession:
                              f"({_describe(feeds)}; expected {self.input_shapes}): "
                              f"{' '.join(str(exc).split())[:500]}") from exc
         return {n: torch.from_numpy(v) for n, v in zip(self.output_names, values, strict=True)}
+
+    def _tensor(self, name: str, value: Any) -> torch.Tensor:
+        if isinstance(value, torch.Tensor):
+            return value
+        if type(value).__module__ == "numpy" and hasattr(value, "__array__"):
+            try:
+                return torch.as_tensor(value)
+            except (TypeError, RuntimeError) as exc:
+                raise InputError(f"input {name!r}: a numpy array of dtype {value.dtype} that "
+                                 f"torch cannot hold ({exc}); pass a torch.Tensor.") from exc
+        hint = ""
+        if isinstance(value, (list, tuple, dict)):
+            flat = [n for n in self.input_names if n.startswith(f"{name}_")]
+            hint = (f"; the file takes a {type(value).__name__}'s tensors as separate inputs: "
+                    f"pass them as {', '.join(flat)}" if flat else
+                    f"; the ONNX model takes one tensor per input ({self.input_names})")
+        raise InputError(f"input {name!r} is a {type(value).__name__}, not a tensor{hint}. "
+                         f"Pass torch tensors (or numpy arrays).")
 
     def _run_bound(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # Inputs are read where they are and outputs are left where ORT wrote them (shared

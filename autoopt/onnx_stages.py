@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 from .capture import export_graph
 from .errors import InputError
-from .onnx import OnnxReport, export_onnx, onnx_session
+from .onnx import OnnxReport, eval_mode, export_onnx, onnx_session
 from .passes.partition import Partition
 from .pipelining import device_specs, emit_stages, plan_stages
 
@@ -49,8 +49,8 @@ def export_onnx_stages(model: nn.Module, example_inputs: tuple[Any, ...], direct
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     kwargs = dict(example_kwargs or {})
-    with torch.no_grad():
-        gm = export_graph(model.eval(), tuple(example_inputs), kwargs)
+    with torch.no_grad(), eval_mode(model):
+        gm = export_graph(model, tuple(example_inputs), kwargs)
     values = pytree.tree_leaves((tuple(example_inputs), kwargs))
     if plan is None:
         plan = plan_stages(gm, values, device_specs(["cpu"] * stages))

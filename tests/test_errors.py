@@ -12,6 +12,7 @@ from torch import nn
 
 import autoopt
 from autoopt import ConfigError, DeviceError, InputError, ModelError
+from autoopt.errors import ArgumentError
 
 
 def linear() -> nn.Module:
@@ -108,8 +109,11 @@ def test_errors_leave_the_model_untouched() -> None:
 
 
 def test_all_errors_share_a_base_class() -> None:
-    for error in (ConfigError, DeviceError, InputError, ModelError, autoopt.ModelSpecError):
+    for error in (ConfigError, DeviceError, InputError, ModelError, autoopt.ModelSpecError,
+                  ArgumentError):
         assert issubclass(error, autoopt.AutoOptError)
+    # A call whose arguments do not bind is a TypeError, as Python's own, and bad input.
+    assert issubclass(ArgumentError, TypeError) and issubclass(ArgumentError, InputError)
 
 
 def test_onnx_runtime_not_installed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

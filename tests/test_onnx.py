@@ -7,6 +7,7 @@ models (small configs, random weights) under ORT against eager.
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -189,6 +190,148 @@ def test_cuda_without_a_gpu_provider_is_a_clear_error(tmp_path: Path) -> None:
         autoopt.onnx_session(path, device="cuda")
 
 
+class Masked(nn.Module):
+    """Two integer inputs of one shape: swapped, they still run, and compute garbage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 8)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.embed(input_ids) * attention_mask.unsqueeze(-1)
+
+
+def test_inputs_follow_forward_order_whatever_the_keyword_order(tmp_path: Path) -> None:
+    model = Masked().eval()
+    ids, mask = torch.randint(2, 50, (2, 5)), torch.randint(0, 2, (2, 5))
+    path = tmp_path / "m.onnx"
+    report = autoopt.export_onnx(model, (), path, random_inputs=1,
+                                 example_kwargs={"attention_mask": mask, "input_ids": ids})
+    assert list(report.inputs) == ["input_ids", "attention_mask"]
+    session = autoopt.onnx_session(path)
+    assert session.input_names == ["input_ids", "attention_mask"]
+    with torch.no_grad():
+        expected = model(ids, mask)
+    torch.testing.assert_close(session(ids, mask), expected)  # called like the model
+    torch.testing.assert_close(session(attention_mask=mask, input_ids=ids), expected)
+
+
+def test_session_binds_a_call_as_python_does(tmp_path: Path) -> None:
+    ids, weight = _scorer_inputs()
+    model = Scorer().eval()
+    path = tmp_path / "scorer.onnx"
+    autoopt.export_onnx(model, (ids, weight), path, verify=False)
+    session = autoopt.onnx_session(path)
+    with pytest.raises(TypeError, match="multiple values for input 'ids'"):
+        session(ids, weight, ids=ids)
+    with pytest.raises(autoopt.InputError, match="multiple values"):
+        session(ids, ids=ids, weight=weight)
+    with pytest.raises(autoopt.InputError, match=r"input 'ids' is a list, not a tensor"):
+        session([ids, weight])
+    # numpy arrays are taken as they are; outputs are torch tensors.
+    with torch.no_grad():
+        expected = model(ids, weight)
+    logits, _ = session(ids.numpy(), weight=weight.numpy())
+    torch.testing.assert_close(logits, expected["logits"])
+
+
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        return self.head(xs[0]) + xs[1]
+
+
+def test_session_names_the_inputs_a_list_became(tmp_path: Path) -> None:
+    xs = [torch.randn(2, 4), torch.randn(2, 3)]
+    path = tmp_path / "pair.onnx"
+    autoopt.export_onnx(Pair().eval(), (xs,), path, verify=False)
+    session = autoopt.onnx_session(path)
+    assert session.input_names == ["xs_0", "xs_1"]
+    with pytest.raises(autoopt.InputError, match="pass them as xs_0, xs_1"):
+        session.run({"xs": xs})
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+
+
+def test_bf16_is_written_for_runtimes_that_run_it(tmp_path: Path) -> None:
+    # ONNX Runtime's CPU provider has no bf16 Gemm: the file is still valid ONNX.
+    x = torch.randn(2, 16)
+    path = tmp_path / "bf16.onnx"
+    report = autoopt.export_onnx(_mlp(), (x,), path, precision="bf16", verify=False)
+    onnx.checker.check_model(str(path))
+    assert report.nodes_before["Gemm"] == 2 and report.verification is None
+    assert "Gemm" in report.ort_error and report.nodes_after == {}
+    assert "cannot load the file" in str(report)
+    with pytest.raises(autoopt.ConfigError, match=r"cannot load it to verify.*verify=False"):
+        autoopt.export_onnx(_mlp(), (x,), path, precision="bf16")
+    assert path.is_file()
+
+
+def test_int8_cannot_be_exported_and_says_why(tmp_path: Path) -> None:
+    x = torch.randn(2, 16)
+    with pytest.raises(autoopt.ConfigError, match="quantize_dynamic") as info:
+        autoopt.export_onnx(_mlp(), (x,), tmp_path / "q.onnx", precision="int8")
+    assert "\x1b" not in str(info.value)
+    fast = autoopt.optimize(_mlp(), (x,), precision="int8", random_inputs=1)
+    with pytest.raises(autoopt.ConfigError, match="cannot be exported to ONNX"):
+        autoopt.export_onnx(fast, (x,), tmp_path / "q.onnx")
+
+
+def test_options_an_optimized_module_cannot_honour_are_refused(tmp_path: Path) -> None:
+    ids, weight = _scorer_inputs()
+    fast = autoopt.optimize(Scorer().eval(), (ids, weight), random_inputs=1)
+    with pytest.raises(autoopt.ConfigError, match="optimized with precision=None"):
+        autoopt.export_onnx(fast, (ids, weight), tmp_path / "m.onnx", precision="fp16")
+    with pytest.raises(autoopt.ConfigError, match="config= sets how"):
+        autoopt.export_onnx(fast, (ids, weight), tmp_path / "m.onnx", config={"verify": False})
+
+
+def test_a_dynamic_dimension_no_input_has_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(autoopt.ConfigError, match="dynamic='sequence' means dim 1 of an "
+                                                  "integer or bool input"):
+        autoopt.export_onnx(_mlp(), (torch.randn(2, 16),), tmp_path / "m.onnx",
+                            dynamic=("batch", "sequence"))
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_unwritable_path_is_refused_before_the_work(tmp_path: Path) -> None:
+    with pytest.raises(autoopt.ConfigError, match="cannot write there"):
+        autoopt.export_onnx(_mlp(), (torch.randn(2, 16),), "/proc/autoopt_model.onnx")
+
+
+def test_an_unregistered_dataclass_output_says_how_to_register_it(tmp_path: Path) -> None:
+    @dataclasses.dataclass
+    class Output:
+        logits: torch.Tensor
+        hidden: torch.Tensor
+
+    class Returns(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> Output:
+            h = self.head(x)
+            return Output(h.relu(), h)
+
+    with pytest.raises(autoopt.ModelError) as info:
+        autoopt.export_onnx(Returns().eval(), (torch.randn(2, 4),), tmp_path / "d.onnx")
+    assert "returns the dataclass Output" in str(info.value)
+    assert str(info.value).endswith("torch.export.register_dataclass(Output), or return a "
+                                    "tuple or dict.")
+
+
+def test_exporter_messages_lose_colour_codes_and_are_cut_at_a_word() -> None:
+    text = autoopt.onnx._first_line(RuntimeError("\x1b[96mstep 1/3\x1b[0m " + "word " * 80))
+    assert text.startswith("step 1/3 word") and text.endswith("word ...")
+    assert len(text) <= 304
+
+
 # --- the command line ------------------------------------------------------------------------
 
 
@@ -231,7 +374,30 @@ def test_cli_export_then_run_round_trip(tmp_path: Path,
     assert "latency: median" in out and "throughput:" in out and "(batch 4)" in out
 
 
+def test_cli_export_takes_inputs_in_forward_order(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "masked.py"
+    source.write_text(textwrap.dedent("""
+        from torch import nn
+
+        class Masked(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Embedding(50, 8)
+
+            def forward(self, input_ids, attention_mask):
+                return self.embed(input_ids) * attention_mask.unsqueeze(-1)
+    """))
+    path = tmp_path / "masked.onnx"
+    assert main(["export", f"{source}:Masked", "--input", "attention_mask=2x5:int64",
+                 "--input", "input_ids=2x5:int64", "--int-high", "50", "-o", str(path)]) == 0
+    assert "inputs: input_ids[2, 5], attention_mask[2, 5]" in capsys.readouterr().out
+    assert autoopt.onnx_session(path).input_names == ["input_ids", "attention_mask"]
+
+
 @pytest.mark.parametrize("inputs, message", [
+    (["ids=2x7", "ids=2x7", "weight=2x7"], "input 'ids' is given twice"),
+    (["2x7", "ids=2x7", "weight=2x7"], "input 'ids' is given twice"),
     (["ids=2x7xq"], "shape must look like"),
     (["ids=2x7:float8"], "unknown dtype"),
     (["idz=2x7", "weight=2x7"], "has no input 'idz'"),

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from model_zoo import bert
+from torch import nn
 from torch.utils import _pytree as pytree
 
 from autoopt.errors import InputError
@@ -44,3 +45,11 @@ def test_missing_manifest_is_an_input_error(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="no ONNX stage manifest at .*export_onnx_stages"):
         OnnxStages(tmp_path)
 
+
+
+def test_the_model_keeps_its_training_mode(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Dropout(),
+                          nn.Linear(16, 4)).train()
+    model[3].eval()  # a submodule in its own mode keeps it too
+    export_onnx_stages(model, (torch.randn(2, 8),), tmp_path, stages=2, verify=False)
+    assert [m.training for m in model.modules()] == [True, True, True, True, False, True]
