@@ -30,14 +30,24 @@ def load_model(spec: str) -> nn.Module:
         if not path.is_file():
             raise ModelSpecError(f"MODEL {spec!r}: no such .pt2 file")
         try:
-            return torch.export.load(str(path)).module()
+            module = torch.export.load(str(path)).module()
         except Exception as exc:
             raise ModelSpecError(f"MODEL {spec!r} is not a readable torch.export program: "
                                  f"{type(exc).__name__}: {exc}") from exc
+        # torch.export makes train() and eval() raise, since they cannot change a program
+        # whose mode is baked into its ops. The commands call them to choose how to capture;
+        # with nn.Module's own methods they set the flags and the graph stays as exported.
+        for method in ("train", "eval"):
+            vars(module).pop(method, None)
+        return module
     if ":" not in spec:
         raise ModelSpecError(f"MODEL {spec!r} must be 'package.module:factory', "
                              "'path/to/file.py:Name' or a .pt2 file")
     where, name = spec.rsplit(":", 1)
+    if not where or not name:
+        missing = "module or file" if not where else "name after the colon"
+        raise ModelSpecError(f"MODEL {spec!r} has no {missing}; write "
+                             "'package.module:factory' or 'path/to/file.py:Name'")
     if where.endswith(".py"):
         path = Path(where)
         if not path.is_file():
@@ -58,6 +68,10 @@ def load_model(spec: str) -> nn.Module:
             source = importlib.import_module(where)
         except ImportError as exc:
             raise ModelSpecError(f"MODEL {spec!r}: cannot import {where!r} ({exc})") from exc
+        except Exception as exc:  # noqa: BLE001 - the user's module failed; say where
+            raise ModelSpecError(f"MODEL {spec!r}: importing {where!r} raised "
+                                 f"{type(exc).__name__}: {exc}; fix the module (or run it with "
+                                 f"python to see the traceback)") from exc
     target = getattr(source, name, None)
     if target is None:
         raise ModelSpecError(f"MODEL {spec!r}: {where!r} has no attribute {name!r}")
@@ -102,11 +116,28 @@ def parse_input(text: str, default_dtype: str = "float32", int_high: int = 100,
         return name, torch.randn(shape, dtype=dtype)
     if dtype == torch.bool:
         return name, torch.ones(shape, dtype=torch.bool)
+    if int_high < 1:
+        raise ModelSpecError(f"--input {text!r}: integer inputs are drawn from [0, INT_HIGH), "
+                             f"which is empty for --int-high {int_high}; give --int-high 1 or "
+                             f"more (the vocabulary size for token ids)")
     return name, torch.randint(0, int_high, shape, dtype=dtype)
+
+
+def check_unique_names(specs: list[str]) -> None:
+    """Refuse an input named twice: one would silently replace the other."""
+    seen: dict[str, str] = {}
+    for spec in specs:
+        name = spec.split("=", 1)[0] if "=" in spec else None
+        if name is not None and name in seen:
+            raise ModelSpecError(f"--input {spec!r} names {name!r} again (after "
+                                 f"{seen[name]!r}); give each input once")
+        if name is not None:
+            seen[name] = spec
 
 
 def model_inputs(specs: list[str], default_dtype: str, int_high: int,
                  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    check_unique_names(specs)
     args: list[Any] = []
     kwargs: dict[str, Any] = {}
     for spec in specs:

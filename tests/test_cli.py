@@ -68,11 +68,102 @@ def test_file_spec_named_inputs_and_save_round_trip(tmp_path: Path,
     (["optimize", "torchvision.models:resnet18", "--input", "1x3xabc"], "shape must look like"),
     (["optimize", "torchvision.models:resnet18", "--input", "1x3:float8"], "unknown dtype"),
     (["optimize", "torch.nn:Linear", "--input", "1x3"], "calling Linear() raised"),
+    (["optimize", ":resnet18", "--input", "1x3"], "has no module or file"),
+    (["optimize", "torchvision.models:", "--input", "1x3"], "has no name after the colon"),
+    (["optimize", "torch.nn:Identity", "--input", "2x3:int64", "--int-high", "0"],
+     "which is empty for --int-high 0"),
+    (["optimize", "torch.nn:Identity", "--input", "x=2x3", "--input", "x=4x3"],
+     "--input 'x=4x3' names 'x' again (after 'x=2x3')"),
 ])
 def test_misuse_gives_a_clear_error(argv: list[str], message: str,
                                     capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("package, source, error", [
+    ("autoopt_test_syntax", "def broken(:\n", "raised SyntaxError"),
+    ("autoopt_test_raises", "raise RuntimeError('no GPU here')\n",
+     "raised RuntimeError: no GPU here"),
+])
+def test_a_package_module_that_fails_to_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str], package: str,
+                                              source: str, error: str) -> None:
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / package / "models.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["optimize", f"{package}.models:Net", "--input", "1x3"]) == 2
+    assert f"importing '{package}.models' {error}" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("argv", [
+    ["optimize", "torch.nn:Identity", "--input", "2x3", "--save", "/proc/autoopt/m.pt2"],
+    ["profile", "torch.nn:Identity", "--input", "2x3", "--json", "/proc/autoopt.json"],
+    ["export", "torch.nn:Identity", "--input", "2x3", "-o", "/proc/autoopt.onnx"],
+    ["report", "torch.nn:Identity", "--input", "2x3", "-o", "/proc/autoopt.html"],
+    ["partition", "torch.nn:Identity", "--input", "2x3", "--stages", "1", "--plot",
+     "/proc/autoopt.png"],
+], ids=["optimize", "profile", "export", "report", "partition"])
+def test_an_unwritable_output_fails_before_the_work(argv: list[str],
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    def load_model(spec: str) -> None:
+        raise AssertionError("the model was loaded before the output path was checked")
+
+    monkeypatch.setattr("autoopt.loading.load_model", load_model)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cannot create the folder" in err or "cannot write there" in err
+    assert argv[-1] in err
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.fc2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_a_pt2_file_is_a_model_for_every_command(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    pt2 = tmp_path / "net.pt2"
+    torch.export.save(torch.export.export(_Net().eval(), (torch.randn(2, 8),)), str(pt2))
+    onnx_path = tmp_path / "net.onnx"
+    assert main(["export", str(pt2), "--input", "2x8", "-o", str(onnx_path)]) == 0
+    assert "verification (ORT vs eager): matched" in capsys.readouterr().out
+    costs = tmp_path / "new" / "costs.json"  # a missing folder is made, as for report -o
+    assert main(["profile", str(pt2), "--input", "2x8", "--json", str(costs)]) == 0
+    assert json.loads(costs.read_text())["nodes"]
+    assert main(["partition", str(pt2), "--input", "2x8", "--stages", "2"]) == 0
+    assert "stage" in capsys.readouterr().out
+
+
+def test_optimize_dynamic_save_keeps_the_dynamic_dims(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "net.py"
+    source.write_text(textwrap.dedent("""
+        import torch
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = torch.nn.Linear(8, 4)
+
+            def forward(self, x):
+                return self.fc(x).view(x.shape[0], -1)
+    """))
+    saved = tmp_path / "out" / "net.pt2"  # into a folder that does not exist yet
+    assert main(["optimize", f"{source}:Net", "--input", "2x8", "--dynamic", "--save",
+                 str(saved)]) == 0
+    assert "dynamic dimensions kept" in capsys.readouterr().out
+    program = torch.export.load(str(saved))
+    x = torch.randn(5, 8)
+    assert program.module()(x).shape == (5, 4)
 
 
 def test_unreadable_pt2_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
