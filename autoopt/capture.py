@@ -142,9 +142,7 @@ def symbolic_trace_graph(module: nn.Module, args: tuple[Any, ...], kwargs: Mappi
     bound.apply_defaults()
     concrete = {name: value for name, value in bound.arguments.items()
                 if not isinstance(value, torch.Tensor)}
-    tracer = _BufferTracer()
-    graph = tracer.trace(module, concrete_args=concrete or None)
-    gm = GraphModule(tracer.root, graph, module.__class__.__name__)
+    gm = _trace(module, concrete or None)
     annotate(gm, list(positional(*args, **kwargs)))
     return gm, positional
 
@@ -157,6 +155,25 @@ class _BufferTracer(torch.fx.Tracer):
     """
 
     proxy_buffer_attributes = True
+
+
+def _trace(module: nn.Module, concrete: dict[str, Any] | None) -> GraphModule:
+    try:
+        tracer: torch.fx.Tracer = _BufferTracer()
+        graph = tracer.trace(module, concrete_args=concrete)
+    except Exception:  # noqa: BLE001 - retried below with real buffers
+        # A buffer's value steering Python (``range(self.table.size(0))``) needs the real
+        # buffer, which is then fine as long as tracing writes none of them.
+        before = {name: b._version for name, b in module.named_buffers()}
+        with preserved(module):
+            tracer = torch.fx.Tracer()
+            graph = tracer.trace(module, concrete_args=concrete)
+            written = [name for name, b in module.named_buffers()
+                       if b._version != before.get(name)]
+        if written:
+            raise TypeError(f"forward writes buffer {written[0]} in a way symbolic_trace "
+                            f"cannot record; export or Dynamo can") from None
+    return GraphModule(tracer.root, graph, module.__class__.__name__)
 
 
 def annotate(gm: GraphModule, example_inputs: list[Any]) -> GraphModule:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import autoopt
-from autoopt.capture import annotate
+from autoopt.capture import annotate, symbolic_trace_graph
 
 
 class Net(nn.Module):
@@ -266,3 +266,34 @@ def test_optimize_through_dynamo_serves_new_batch_sizes(dynamic: bool) -> None:
     assert before >= 1
     if not dynamic:  # the recompile at a symbolic size applied the pass, and was verified
         assert after > before
+
+
+# --- symbolic_trace capture: buffer writes are in the graph or refused -------------------------
+
+class SizedByBuffer(nn.Module):
+    """A buffer's size steers Python, so it must be traced as the real tensor."""
+
+    def __init__(self, write: bool) -> None:
+        super().__init__()
+        self.write = write
+        self.register_buffer("table", torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.write:
+            self.table.add_(1)
+        for i in range(self.table.size(0)):
+            x = x + self.table[i]
+        return x
+
+
+def test_symbolic_trace_reads_a_buffer_that_steers_python() -> None:
+    model = SizedByBuffer(write=False)
+    gm, _ = symbolic_trace_graph(model, (torch.zeros(2),), {})
+    torch.testing.assert_close(gm(torch.zeros(2)), model(torch.zeros(2)))
+
+
+def test_symbolic_trace_refuses_to_write_a_buffer_at_trace_time() -> None:
+    model = SizedByBuffer(write=True)
+    with pytest.raises(TypeError, match="writes buffer table"):
+        symbolic_trace_graph(model, (torch.zeros(2),), {})
+    torch.testing.assert_close(model.table, torch.ones(3))  # tracing left it as it was
