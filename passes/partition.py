@@ -238,7 +238,7 @@ def partition(gm: GraphModule, cost: GraphCost, devices: Sequence[DeviceSpec], *
             saved activations until its backward).
 
     Raises:
-        PartitionError: no stages asked for, more stages than compute nodes, a node bigger
+        PartitionError: no stages asked for, no compute nodes or fewer than stages, a node bigger
             than every device's memory, or no cut that fits the memory caps.
     """
     k = len(devices)
@@ -249,6 +249,10 @@ def partition(gm: GraphModule, cost: GraphCost, devices: Sequence[DeviceSpec], *
         raise PartitionError(f"microbatches must be at least 1; got {microbatches}")
     profile = NodeProfile(gm, cost, training)
     n = len(profile.order)
+    if n == 0:
+        raise PartitionError(f"the graph has no compute nodes (its outputs are its inputs or "
+                             f"constants), so there is nothing to cut into {k} stages; run the "
+                             f"model as it is, without a pipeline.")
     if k > n:
         raise PartitionError(f"cannot cut a graph of {n} compute nodes into {k} stages: every "
                              f"stage needs at least one node. Ask for at most {n} stages.")

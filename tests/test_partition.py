@@ -232,6 +232,14 @@ def test_more_stages_than_nodes_is_an_error() -> None:
         partition(gm, costs(gm), [DeviceSpec()] * (n + 1))
 
 
+def test_a_graph_without_compute_nodes_is_an_error_that_says_so() -> None:
+    gm = captured(nn.Identity(), torch.randn(1, 4))
+    assert compute_nodes(gm) == []
+    with pytest.raises(PartitionError, match=r"the graph has no compute nodes \(its outputs are "
+                                             r"its inputs or constants\).*into 2 stages"):
+        partition(gm, costs(gm), [DeviceSpec()] * 2)
+
+
 def test_a_node_bigger_than_every_device_is_an_error() -> None:
     gm = captured(mlp([256, 256, 8]), torch.randn(1, 256))
     with pytest.raises(PartitionError, match=r"node linear .* alone needs 0\.3 MiB.*largest "
