@@ -15,11 +15,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,16 +37,35 @@ from .cost_model import CostModel
 from .errors import ConfigError
 from .passes.partition import Partition
 from .pipelining import (
+    check_mergeable_outputs,
     device_specs,
     emit_stages,
     place_stage,
     plan_stages,
+    shared_parameters,
     split_microbatches,
+    traced_values,
 )
 
 log = logging.getLogger(__name__)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+@dataclass(frozen=True)
+class TiedParameter:
+    """A parameter that several stages read (an embedding tied to the LM head): each of their
+    ranks holds a copy, and ``DistributedPipeline.step`` sums the copies' gradients.
+
+    Args:
+        name: its name in this rank's stage.
+        ranks: the ranks (in ``group``'s numbering) whose stages hold it.
+        group: the process group of those ranks.
+    """
+
+    name: str
+    ranks: tuple[int, ...]
+    group: dist.ProcessGroup | None
 
 
 @dataclass
@@ -58,6 +78,8 @@ class DistributedPipeline:
             this rank's optimizer).
         schedule: the ``torch.distributed.pipelining`` schedule.
         plan: the partition every rank shares.
+        tied: this stage's parameters that other ranks' stages hold too; each training
+            ``step`` all-reduces their gradients, so the copies stay one weight.
     """
 
     stage: PipelineStage
@@ -66,6 +88,7 @@ class DistributedPipeline:
     plan: Partition
     in_spec: pytree.TreeSpec | None
     out_spec: pytree.TreeSpec | None
+    tied: tuple[TiedParameter, ...] = ()
 
     @property
     def is_first(self) -> bool:
@@ -84,10 +107,37 @@ class DistributedPipeline:
             flat = (list(tree_flatten_spec((tuple(args), dict(kwargs)), self.in_spec))
                     if self.in_spec is not None else list(args))
             flat = [x.to(self.stage.device) if isinstance(x, torch.Tensor) else x for x in flat]
-        out = self.schedule.step(*flat, **({"target": target} if target is not None else {}))
+        if target is None:
+            out = self.schedule.step(*flat)
+        else:
+            with self._summing_tied_gradients():
+                out = self.schedule.step(*flat, target=target)
         if not self.is_last or out is None:
             return None
         return _structured(out, self.out_spec)
+
+    @contextlib.contextmanager
+    def _summing_tied_gradients(self) -> Iterator[None]:
+        """Around a training step: afterwards each tied parameter's gradient holds what every
+        rank holding it computed in this step (all-reduced, before the caller's optimizer
+        step), plus what it held before. Only this step's part is reduced, so gradients
+        accumulated over several steps are not summed twice."""
+        params = [self.module.get_parameter(t.name) for t in self.tied]
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            yield
+        except BaseException:
+            # No all-reduce: the other ranks may never reach it. The failed step's partial
+            # gradients are dropped and the earlier ones put back.
+            for p, before in zip(params, earlier, strict=True):
+                p.grad = before
+            raise
+        for tie, p, before in zip(self.tied, params, earlier, strict=True):
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(grad, group=tie.group)
+            p.grad = grad if before is None else before + grad
 
 
 def distributed_pipeline(model: nn.Module, example_inputs: tuple[Any, ...],
@@ -143,16 +193,48 @@ def distributed_pipeline(model: nn.Module, example_inputs: tuple[Any, ...],
         log.info("pipeline plan:\n%s", box[0].table())
     dist.broadcast_object_list(box, src=0, group=group)
     plan: Partition = box[0]
-    # A copy: moving it or training it leaves the caller's model as it was.
-    module = place_stage(_contiguous_boundaries(copy.deepcopy(emit_stages(gm, plan)[rank])),
-                         target)
-    stage = PipelineStage(module, rank, world, target, group=group)
     info = getattr(gm.graph._codegen, "pytree_info", None)
     out_spec = info.out_spec if info else None
+    check_mergeable_outputs(traced_values(gm, "placeholder"), traced_values(gm, "output"),
+                            microbatches, out_spec)
+    stages = emit_stages(gm, plan)
+    # A copy: moving it or training it leaves the caller's model as it was.
+    module = place_stage(_contiguous_boundaries(copy.deepcopy(stages[rank])), target)
+    tied = _tie(stages, rank, group) if training else ()
+    stage = PipelineStage(module, rank, world, target, group=group)
     loss = None if loss_fn is None else functools.partial(_structured_loss, loss_fn, out_spec)
     runner = SCHEDULES[schedule](stage, microbatches, loss_fn=loss)
     return DistributedPipeline(stage, module, runner, plan, info.in_spec if info else None,
-                               out_spec)
+                               out_spec, tied)
+
+
+def _tie(stages: list[GraphModule], rank: int,
+         group: dist.ProcessGroup | None) -> tuple[TiedParameter, ...]:
+    """This rank's parameters that other ranks' stages hold too, each with a process group of
+    the ranks holding it.
+
+    A cut can fall between two users of one parameter (an embedding and the LM head tied to
+    it are at the two ends of the graph, so every cut does); each rank then trains its own
+    copy unless their gradients are summed. Every rank walks the same list in the same
+    order, so the groups are created alike; only the ranks in a group create it.
+    """
+    world = dist.get_world_size(group)
+    groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+    tied = []
+    for name, ranks in shared_parameters(stages):
+        if rank not in ranks:
+            continue
+        if ranks not in groups:
+            groups[ranks] = group if len(ranks) == world else dist.new_group(
+                [r if group is None else dist.get_global_rank(group, r) for r in ranks],
+                use_local_synchronization=True)
+        own = next(n for n, p in stages[rank].named_parameters(remove_duplicate=False)
+                   if p is stages[ranks[0]].get_parameter(name))
+        tied.append(TiedParameter(own, ranks, groups[ranks]))
+    if tied:
+        log.info("rank %d: gradients of %s are summed with ranks holding the same weights",
+                 rank, ", ".join(f"{t.name} (ranks {list(t.ranks)})" for t in tied))
+    return tuple(tied)
 
 
 def _dense(value: Any) -> Any:

@@ -104,6 +104,62 @@ def split_microbatches(flat: Sequence[Any], microbatches: int) -> list[list[Any]
     return out
 
 
+def check_mergeable_outputs(inputs: Sequence[Any], outputs: Sequence[Any], microbatches: int,
+                            out_spec: pytree.TreeSpec | None = None) -> None:
+    """Refuse outputs that concatenating microbatches along dim 0 would get wrong.
+
+    ``inputs`` and ``outputs`` are one microbatch's flat values (or their ``meta["val"]``). A
+    tensor output whose first dimension is not the microbatch's batch (``h.mean(0)``, a
+    0-dim loss) was reduced over the batch: each microbatch computed it over its own part,
+    and neither concatenating nor taking one of them gives the whole batch's value.
+
+    Raises:
+        ConfigError: naming the output, its shape and what to do.
+    """
+    if microbatches == 1:
+        return
+    batch = next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0),
+                 None)
+    for i, value in enumerate(outputs):
+        if not isinstance(value, torch.Tensor) or (value.dim() > 0 and value.shape[0] == batch):
+            continue
+        shape = tuple(value.shape)
+        got = ("the first microbatch's value instead of the whole batch's" if value.dim() == 0
+               else f"shape {(shape[0] * microbatches, *shape[1:])} instead of {shape}")
+        raise ConfigError(
+            f"{_output_name(i, len(outputs), out_spec)} has shape {shape}, which does not start "
+            f"with the microbatch's batch size ({batch}): it is reduced over the batch, so "
+            f"each of the {microbatches} microbatches computes it over its own part, and "
+            f"merging them would give {got}. Return per-example values and reduce after the "
+            f"pipeline, or use microbatches=1.")
+
+
+def _output_name(i: int, count: int, out_spec: pytree.TreeSpec | None) -> str:
+    """``Output ['pooled']`` from the output's structure where it has keys, else ``output i``."""
+    if out_spec is not None:
+        try:
+            paths, _ = pytree.tree_flatten_with_path(pytree.tree_unflatten(range(count),
+                                                                           out_spec))
+            key = pytree.keystr(paths[i][0])
+            return f"Output {key}" if key else "The output"
+        except Exception:  # noqa: BLE001 - a structure without key paths: use the index
+            pass
+    return f"Output {i}"
+
+
+def shared_parameters(stages: Sequence[GraphModule]) -> list[tuple[str, tuple[int, ...]]]:
+    """Parameters that more than one stage reads (tied weights such as an embedding and the LM
+    head), each as (its name in the first stage holding it, the indices of those stages), in
+    a deterministic order: every rank derives the same list from the same plan."""
+    holders: dict[int, tuple[str, list[int]]] = {}
+    for s, stage in enumerate(stages):
+        for name, param in stage.named_parameters(remove_duplicate=False):
+            entry = holders.setdefault(id(param), (name, []))
+            if s not in entry[1]:
+                entry[1].append(s)
+    return sorted((name, tuple(where)) for name, where in holders.values() if len(where) > 1)
+
+
 def merge_microbatches(outputs: Sequence[Sequence[Any]]) -> list[Any]:
     """Concatenate each output tensor's microbatches along the batch dimension."""
     merged = []
@@ -144,6 +200,8 @@ class Pipeline(nn.Module):
                                     for stage, device in zip(stages, self.devices, strict=True))
         self.microbatches = microbatches
         self.plan = plan
+        check_mergeable_outputs(traced_values(stages[0], "placeholder"),
+                                traced_values(stages[-1], "output"), microbatches, out_spec)
         self._in_spec = in_spec
         self._out_spec = out_spec
         self._streams = _Streams(self.devices)
@@ -253,6 +311,17 @@ class Pipeline(nn.Module):
         if self._out_spec is None:
             return tuple(flat)
         return pytree.tree_unflatten(list(flat), self._out_spec)
+
+
+def traced_values(gm: GraphModule, op: str) -> list[Any]:
+    """The traced values (``meta["val"]``) of ``gm``'s inputs (``placeholder``) or flat outputs
+    (``output``); None where a node has none."""
+    if op == "placeholder":
+        nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    else:
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        nodes = pytree.tree_leaves(output.args[0], is_leaf=lambda x: x is None)
+    return [n.meta.get("val") if isinstance(n, Node) else n for n in nodes]
 
 
 def place_stage(stage: GraphModule, device: torch.device) -> GraphModule:
@@ -420,16 +489,20 @@ def plan_stages(gm: GraphModule, inputs: Sequence[Any], devices: Sequence[Device
     (``refine_by_measurement``). A partition that cannot exist is a ``ConfigError`` naming
     the reason."""
     cost_model = cost_model or CostModel("cpu")
-    cost = (cost_model.profile(gm, list(inputs), training=training, in_model=True) if measure
-            else cost_model.predict(gm))
-    try:
-        plan = partition(gm, cost, devices, microbatches=microbatches, training=training)
-        if measure and refine and len(devices) > 1:
-            plan = refine_by_measurement(gm, cost, devices, inputs, plan, cost_model,
-                                         microbatches=microbatches, training=training)
-        return plan
-    except PartitionError as exc:
-        raise ConfigError(str(exc)) from exc
+    # gm holds the model's own parameters and buffers (under ``distributed_pipeline``, the
+    # caller's model): the profiling and stage-timing runs below must not move BatchNorm
+    # statistics or counters, on this rank or in the stages built from gm afterwards.
+    with preserved(gm):
+        cost = (cost_model.profile(gm, list(inputs), training=training, in_model=True)
+                if measure else cost_model.predict(gm))
+        try:
+            plan = partition(gm, cost, devices, microbatches=microbatches, training=training)
+            if measure and refine and len(devices) > 1:
+                plan = refine_by_measurement(gm, cost, devices, inputs, plan, cost_model,
+                                             microbatches=microbatches, training=training)
+            return plan
+        except PartitionError as exc:
+            raise ConfigError(str(exc)) from exc
 
 
 def stage_seconds(gm: GraphModule, plan: Partition, inputs: Sequence[Any],
@@ -438,7 +511,7 @@ def stage_seconds(gm: GraphModule, plan: Partition, inputs: Sequence[Any],
     previous stages' outputs), on the cost model's device."""
     values = list(inputs)
     seconds = []
-    with torch.no_grad():
+    with torch.no_grad(), preserved(gm):
         for stage in emit_stages(gm, plan):
             seconds.append(cost_model.measure(stage, values, repeats=repeats))
             values = list(stage(*values))

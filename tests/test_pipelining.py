@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -261,6 +262,134 @@ def test_stage_input_gradients_sent_back_are_contiguous() -> None:
     torch.testing.assert_close(torch.autograd.grad(stage(x).sum(), x)[0], strided)
 
 
+class TiedLM(nn.Module):
+    """An embedding and the LM head that share its weight, at the two ends of the graph: any
+    cut puts them in different stages."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.body = nn.Sequential(nn.Linear(dim, dim), nn.Tanh(), nn.Linear(dim, dim), nn.Tanh(),
+                                  nn.Linear(dim, dim))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(ids)))
+
+
+def _lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _distributed_worker() -> int:
+    """Run by ``torchrun`` (see ``distributed_checks``); prints one ``rank R: <check> ok`` or
+    ``FAIL`` line per check."""
+    import torch.distributed as dist
+
+    from autoopt.distributed import distributed_pipeline
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    failures = 0
+
+    def report(check: str, problem: str | None) -> None:
+        nonlocal failures
+        failures += problem is not None
+        # One write per line: the ranks share the pipe, and print writes the newline apart.
+        outcome = "ok" if problem is None else f"FAIL: {problem}"
+        sys.stdout.write(f"rank {rank}: {check} {outcome}\n")
+        sys.stdout.flush()
+
+    # Tied weights: 3 SGD steps of the pipeline against the unsplit model.
+    torch.manual_seed(0)
+    model = TiedLM()
+    reference = copy.deepcopy(model)
+    ids, labels = torch.randint(0, 16, (6, 5)), torch.randint(0, 16, (6, 5))
+    pipe = distributed_pipeline(model, (ids,), microbatches=3, training=True, schedule="1f1b",
+                                loss_fn=_lm_loss)
+    optimizer = torch.optim.SGD(pipe.module.parameters(), lr=0.5)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    expected = dict(reference.named_parameters(remove_duplicate=False))
+    problem = None
+    for step in range(3):
+        optimizer.zero_grad()
+        pipe.step(ids, target=labels)
+        reference_optimizer.zero_grad()
+        _lm_loss(reference(ids), labels).backward()
+        if step == 0:
+            for name, param in pipe.module.named_parameters():
+                error = (param.grad - expected[name].grad).abs().max().item()
+                if error > 1e-5:
+                    problem = problem or f"step 0: gradient of {name} off by {error:.3g}"
+        optimizer.step()
+        reference_optimizer.step()
+    for name, param in pipe.module.named_parameters():
+        error = (param.detach() - expected[name].detach()).abs().max().item()
+        if error > 1e-5:
+            problem = problem or f"after 3 steps: {name} off by {error:.3g}"
+    tied = [(t.name, t.ranks) for t in pipe.tied]
+    if rank in (0, 2) and tied != [("head.weight", (0, 2))]:
+        problem = problem or f"tied parameters {tied}"
+    report("tied weights", problem)
+
+    # Building a pipeline (measuring, partitioning) leaves the caller's model as it was.
+    torch.manual_seed(1)
+    model = ConvBN().train()
+    x = torch.randn(4, 3, 8, 8)
+    before = snapshot(model)
+    problem = None
+    for training in (False, True):
+        pipe = distributed_pipeline(model, (x,), training=training, loss_fn=_mse)
+        for name, value in snapshot(model).items():
+            if not torch.equal(value, before[name]):
+                problem = problem or f"training={training}: {name} changed"
+        for name, buffer in pipe.module.named_buffers():
+            if not torch.equal(buffer, before[f"buffer:{name}"]):
+                problem = problem or f"training={training}: the stage's {name} differs"
+    report("model untouched", problem)
+    dist.destroy_process_group()
+    return 1 if failures else 0
+
+
+def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+@pytest.fixture(scope="module")
+def distributed_checks() -> str:
+    """``_distributed_worker`` under torchrun on 3 CPU processes (gloo), once for the tests
+    below: the tied weight sits on ranks 0 and 2, so its gradients are summed in a group
+    that leaves rank 1 out."""
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+         __file__, "--distributed-worker"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return done.stdout + done.stderr
+
+
+def _assert_every_rank(output: str, check: str, ranks: int = 3) -> None:
+    lines = [line for line in output.splitlines() if f": {check} " in line]
+    assert sorted(lines) == [f"rank {r}: {check} ok" for r in range(ranks)], \
+        "\n".join(lines) or output[-3000:]
+
+
+@pytest.mark.slow
+def test_tied_weights_split_across_ranks_train_as_one_weight(distributed_checks: str) -> None:
+    """An embedding on rank 0 and the LM head on rank 2 share one weight: after 3 SGD steps
+    every rank's gradients (step 0) and parameters equal the unsplit model's."""
+    _assert_every_rank(distributed_checks, "tied weights")
+
+
+@pytest.mark.slow
+def test_building_a_distributed_pipeline_leaves_every_ranks_model_untouched(
+        distributed_checks: str) -> None:
+    """Rank 0 profiles and times stages on a graph that holds the caller's BatchNorm: its
+    statistics and the stage built from it stay as they were, on every rank."""
+    _assert_every_rank(distributed_checks, "model untouched")
+
+
 @pytest.mark.slow
 def test_two_process_gloo_pipeline_matches_eager() -> None:
     """The example, run by torchrun on 2 CPU processes: inference output and every rank's
@@ -312,6 +441,59 @@ def test_a_model_whose_function_depends_on_the_split_is_a_model_error() -> None:
                          microbatches=2, training=True)
 
 
+@pytest.mark.parametrize("training", [False, True])
+def test_building_a_pipeline_leaves_the_model_and_its_stages_as_they_were(training: bool) -> None:
+    """Profiling and timing candidate cuts run the graph many times; BatchNorm in train mode
+    counts each run (the stages started at num_batches_tracked = 25 before)."""
+    model = ConvBN().train()
+    before = snapshot(model)
+    pipe = autoopt.optimize(model, (torch.randn(4, 3, 8, 8),), devices=["cpu", "cpu"],
+                            training=training)
+    assert_bit_identical(model, before)
+    buffers = {n: b for stage in pipe.stages for n, b in stage.named_buffers()}
+    assert set(buffers) == {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
+    for name, buffer in buffers.items():
+        assert torch.equal(buffer, before[f"buffer:{name}"]), name
+
+
+class _Reduced(nn.Module):
+    def __init__(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.linear(x)
+        return {"hidden": h, "pooled": self.reduce(h)}
+
+
+@pytest.mark.parametrize(("reduce", "message"), [
+    (lambda h: h.mean(0), r"Output \['pooled'\] has shape \(4,\), which does not start with "
+                          r"the microbatch's batch size \(2\).*would give shape \(8,\) instead "
+                          r"of \(4,\)"),
+    (lambda h: h.sum(), r"Output \['pooled'\] has shape \(\).*would give the first "
+                        r"microbatch's value"),
+])
+def test_outputs_reduced_over_the_batch_are_refused_at_build_time(
+        reduce: Callable[[torch.Tensor], torch.Tensor], message: str) -> None:
+    """Merging microbatches concatenates each output along dim 0: a batch mean came out twice
+    as long, a 0-dim output as the first microbatch's value."""
+    model = _Reduced(reduce).eval()
+    with pytest.raises(ConfigError, match=message + ".*or use microbatches=1"):
+        autoopt.optimize(model, (torch.randn(4, 4),), devices=["cpu", "cpu"], microbatches=2,
+                         verify=False)
+    pipe = autoopt.optimize(model, (torch.randn(4, 4),), devices=["cpu", "cpu"], verify=False)
+    x = torch.randn(4, 4)
+    with torch.no_grad():  # one microbatch: nothing to merge, the output is the model's
+        torch.testing.assert_close(pipe(x)["pooled"], model(x)["pooled"])
+
+
+def test_a_model_without_compute_is_told_so() -> None:
+    with pytest.raises(ConfigError, match="the graph has no compute nodes .* nothing to cut "
+                                          "into 2 stages; run the model as it is"):
+        autoopt.optimize(nn.Identity(), (torch.randn(2, 4),), devices=["cpu", "cpu"])
+
+
 def test_bad_schedules_and_inputs_are_clear_errors() -> None:
     model, args, kwargs = MODELS["inception"]()
     pipe = autoopt.optimize(model, args, kwargs, devices=["cpu", "cpu"])
@@ -341,3 +523,7 @@ def test_cli_wants_one_device_per_stage(capsys: pytest.CaptureFixture[str]) -> N
                  "1x3x8x8", "--stages", "3", "--devices", "cpu,cpu"])
     assert code == 2
     assert "--devices lists 2 device(s) for --stages 3" in capsys.readouterr().err
+
+
+if __name__ == "__main__" and "--distributed-worker" in sys.argv:
+    sys.exit(_distributed_worker())
