@@ -26,6 +26,8 @@ import torch
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils import _pytree as pytree
 
+from autoopt.cost_model.isolation import preserved
+
 from . import precision_ops
 from .base import PassContext, PassResult
 from .precision_cast import (
@@ -34,6 +36,8 @@ from .precision_cast import (
     candidates,
     functionalize_inplace,
     is_aten_graph,
+    out_of_range,
+    range_refusal,
 )
 from .precision_int8 import Int8Interpreter, apply_int8, int8_candidates, int8_engine
 
@@ -73,6 +77,9 @@ class PrecisionSummary:
         casts: cast nodes inserted.
         params_stored_low: parameters stored once in low precision.
         trials: whole-graph runs the measurement took.
+        masked_sets: copies of the example inputs with masked positions (``masked_variants``)
+            that ``achieved_error`` covers too.
+        clamped: attention masks clamped into the low precision's range.
     """
 
     precision: str
@@ -83,12 +90,17 @@ class PrecisionSummary:
     casts: int = 0
     params_stored_low: int = 0
     trials: int = 0
+    masked_sets: int = 0
+    clamped: int = 0
 
     def lines(self, limit: int = 12) -> list[str]:
+        masked = f" and {self.masked_sets} masked input set(s)" if self.masked_sets else ""
+        clamped = (f", {self.clamped} attention mask(s) clamped to {self.precision}'s range"
+                   if self.clamped else "")
         head = (f"precision {self.precision}: {self.low_ops} op(s) in {self.precision}, "
                 f"{len(self.kept)} kept in fp32; error {self.achieved_error:.3g} on the "
-                f"example inputs (tolerance {self.tolerance:g}); {self.casts} cast(s), "
-                f"{self.params_stored_low} parameter(s) stored in {self.precision}")
+                f"example inputs{masked} (tolerance {self.tolerance:g}); {self.casts} cast(s)"
+                f"{clamped}, {self.params_stored_low} parameter(s) stored in {self.precision}")
         rows = [f"  fp32 {k.node} ({k.op}): {k.why}" for k in self.kept[:limit]]
         if len(self.kept) > limit:
             rows.append(f"  ... {len(self.kept) - limit} more (report.captures[i].precision)")
@@ -114,31 +126,42 @@ def cast_precision(gm: GraphModule, ctx: PassContext) -> PassResult:
         return _int8(gm, ctx, tolerance)
     dtype = LOW_DTYPES[precision]
     functionalize_inplace(gm)
-    nodes = candidates(gm)
+    # What the low dtype cannot hold (mask fills of finfo(float32).min) stays fp32.
+    wide = out_of_range(gm, dtype, ctx.example_inputs)
+    ops = {n.name: n for n in gm.graph.nodes}
+    found = candidates(gm)
+    refused = {n.name: why for n in found if (why := range_refusal(n, wide, dtype))}
+    nodes = [n for n in found if n.name not in refused]
     if not nodes:
         return PassResult(gm, False)
     names, kinds = [n.name for n in nodes], [_kind(n) for n in nodes]
-    measure = _Measure(gm, ctx.example_inputs)
-
     params: dict[str, torch.Tensor] = {}  # low-precision weights, cast once for all trials
-    low, kept, error = choose(
-        names, lambda s: measure.error(CastInterpreter(gm, s, dtype, params)),
-        _MARGIN * tolerance, kinds)
+    with preserved(gm):  # measuring runs update no BatchNorm statistic, counter or RNG
+        measure = _Measure(gm, ctx.example_inputs)
+        low, kept, error = choose(
+            names, lambda s: measure.error(CastInterpreter(gm, s, dtype, params, wide)),
+            _MARGIN * tolerance, kinds)
     if not low:
         log.info("precision %s: no op fits the tolerance %g in low precision", precision,
                  tolerance)
         return PassResult(gm, False)
-    plan = apply_casts(gm, low, dtype, store_params=not ctx.training)
-    ops = {n.name: n for n in gm.graph.nodes}
-    kept_ops = [KeptOp(n, _op(ops[n]), why) for n, why in kept.items()]
+    plan = apply_casts(gm, low, dtype, store_params=not ctx.training, wide=wide)
+    # Where a huge value enters (a fill, a factor, an input): not every op it flows through.
+    sources = [n for n in wide if ops[n].op == "call_function" and n not in refused
+               and not any(a.name in wide and a.op == "call_function"
+                           for a in ops[n].all_input_nodes)]
+    kept_ops = [KeptOp(n, _op(ops[n]), why) for n, why in refused.items()]
+    kept_ops += [KeptOp(n, _op(ops[n]), range_refusal(ops[n], wide, dtype) or "")
+                 for n in sources]
+    kept_ops += [KeptOp(n, _op(ops[n]), why) for n, why in kept.items()]
     kept_ops += [KeptOp(n.name, _op(n), "numerically sensitive (policy)")
                  for n in gm.graph.nodes if n.target in precision_ops.SENSITIVE
                  and n.name not in plan.low_nodes]
     gm.meta["precision"] = PrecisionSummary(precision, tolerance, error, len(low),
                                             tuple(kept_ops), plan.casts, plan.params_stored_low,
-                                            measure.trials)
+                                            measure.trials, measure.masked_sets, plan.clamped)
     return PassResult(gm, True, {f"{precision}_ops": len(low), "casts": plan.casts,
-                                 "kept_fp32": len(kept)})
+                                 "kept_fp32": len(kept) + len(refused)})
 
 
 def choose(names: Sequence[str], error_of: Callable[[set[str]], float], budget: float,
@@ -212,10 +235,12 @@ def _int8(gm: GraphModule, ctx: PassContext, tolerance: float) -> PassResult:
     if not nodes:
         return PassResult(gm, False)
     names, kinds = [n.name for n in nodes], [_kind(n) for n in nodes]
-    measure = _Measure(gm, ctx.example_inputs)
     packed: dict[str, Any] = {}  # int8 weights, packed once for all trials and the result
-    low, kept, error = choose(names, lambda s: measure.error(Int8Interpreter(gm, s, packed)),
-                              _MARGIN * tolerance, kinds)
+    with preserved(gm):
+        measure = _Measure(gm, ctx.example_inputs)
+        low, kept, error = choose(
+            names, lambda s: measure.error(Int8Interpreter(gm, s, packed)),
+            _MARGIN * tolerance, kinds)
     if not low:
         return PassResult(gm, False)
     ops = {n.name: _op(n) for n in gm.graph.nodes}
@@ -223,42 +248,133 @@ def _int8(gm: GraphModule, ctx: PassContext, tolerance: float) -> PassResult:
     gm.meta["precision"] = PrecisionSummary(
         "int8", tolerance, error, replaced,
         tuple(KeptOp(n, ops[n], why) for n, why in kept.items()), params_stored_low=replaced,
-        trials=measure.trials)
+        trials=measure.trials, masked_sets=measure.masked_sets)
     return PassResult(gm, True, {"int8_linear": replaced, "kept_fp32": len(kept)})
 
 
 class _Measure:
-    """Runs candidate graphs on the example inputs and compares them with the fp32 graph."""
+    """Runs candidate graphs on the example inputs, and on copies of them with masked
+    positions (``masked_variants``), and compares them with the fp32 graph.
+
+    One snapshot (the caller's ``preserved``) covers all runs: what they write (BatchNorm
+    statistics in training) does not reach the outputs compared, and a snapshot per run would
+    copy every folded weight each time.
+    """
 
     def __init__(self, gm: GraphModule, example_inputs: Sequence[Any]) -> None:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         if len(example_inputs) != len(placeholders):
             raise ValueError("the precision pass measures on the example inputs, but they do "
                              f"not match the graph's {len(placeholders)} placeholder(s)")
-        self.inputs = tuple(example_inputs)
         self.trials = 0
-        self.reference = self._run(Interpreter(gm))
+        self.sets = [tuple(example_inputs)]
+        self.references = [self._run(Interpreter(gm), self.sets[0])]
+        for inputs in masked_variants(self.sets[0]):
+            try:
+                reference = self._run(Interpreter(gm), inputs)
+            except Exception as e:  # noqa: BLE001 - not a mask after all (an index, a size)
+                log.debug("precision: no measuring on a masked copy of the inputs: %s", e)
+                continue
+            self.sets.append(inputs)
+            self.references.append(reference)
+
+    @property
+    def masked_sets(self) -> int:
+        return len(self.sets) - 1
 
     def error(self, candidate: Interpreter) -> float:
-        """Max over floating outputs of ``max |actual - expected| / max |expected|``."""
+        """Max over input sets and floating outputs of ``max |actual - expected| / max
+        |expected|``; where fp32 gives inf or NaN (a fully masked row) the candidate must too."""
         self.trials += 1
         worst = 0.0
-        for e, a in zip(self.reference, self._run(candidate), strict=True):
-            if not (isinstance(e, torch.Tensor) and e.is_floating_point() and e.numel()):
-                continue
-            e64, a64 = e.double(), a.double()
-            scale = float(e64.abs().max())
-            diff = float((a64 - e64).abs().max())
-            if math.isnan(diff):  # an overflow (fp16) or NaN: never within any budget
-                return math.inf
-            worst = max(worst, diff / scale if scale > 0 else diff)
+        for inputs, reference in zip(self.sets, self.references, strict=True):
+            for e, a in zip(reference, self._run(candidate, inputs), strict=True):
+                if isinstance(e, torch.Tensor) and e.is_floating_point() and e.numel():
+                    worst = max(worst, _relative_error(e, a))
+                if worst == math.inf:
+                    return worst
         return worst
 
-    def _run(self, interpreter: Interpreter) -> list[Any]:
+    def _run(self, interpreter: Interpreter, inputs: tuple[Any, ...]) -> list[Any]:
         with torch.no_grad(), torch.random.fork_rng(), _quiet():
             torch.manual_seed(0)  # dropout in training draws the same masks each run
-            out = interpreter.run(*self.inputs)
+            out = interpreter.run(*inputs)
         return pytree.tree_leaves(out)
+
+
+def _relative_error(expected: torch.Tensor, actual: torch.Tensor) -> float:
+    e64, a64 = expected.double(), actual.double()
+    finite = torch.isfinite(e64)
+    if not bool(finite.all()):
+        same = (a64 == e64) | (torch.isnan(a64) & torch.isnan(e64))
+        if not bool(same[~finite].all()):
+            return math.inf
+        e64, a64 = e64[finite], a64[finite]
+        if not e64.numel():
+            return 0.0
+    scale = float(e64.abs().max())
+    diff = float((a64 - e64).abs().max())
+    if math.isnan(diff):  # an overflow (fp16) or NaN: never within any budget
+        return math.inf
+    return diff / scale if scale > 0 else diff
+
+
+def masked_variants(inputs: Sequence[Any]) -> list[tuple[Any, ...]]:
+    """Copies of ``inputs`` in which every input that looks like a 0/1 mask masks positions.
+
+    Example masks are usually all ones (nothing padded), so a graph measured on them alone
+    never meets what padding brings: ``finfo.min`` scores, fully masked rows. In the first copy
+    the second half of each row (the last dimension) is masked and, where there are several
+    rows, the last row entirely; where a mask has a single row, a second copy masks all of it.
+    The masked value is the example's rarer one (0 in an all-ones mask, ``True`` in an
+    all-``False`` padding mask); an integer mask only ever gets zeros, which index any table.
+
+        mask  1 1 1 1      copy 1:  1 1 0 0      copy 2 (single-row masks):  0 0 0 0
+              1 1 1 1               0 0 0 0
+    """
+    masked = {i: off for i, value in enumerate(inputs)
+              if (off := _masked_value(value)) is not None}
+    if not masked:
+        return []
+    single_row = any(inputs[i].numel() == inputs[i].shape[-1] for i in masked)
+    patterns = [_padded] + ([_everything] if single_row else [])
+    variants = []
+    with torch.no_grad():
+        for pattern in patterns:
+            variant = list(inputs)
+            for i, off in masked.items():
+                value = inputs[i].clone(memory_format=torch.contiguous_format)
+                rows = value.view(-1, value.shape[-1])
+                rows.masked_fill_(pattern(*rows.shape).to(value.device), off)
+                variant[i] = value
+            variants.append(tuple(variant))
+    return variants
+
+
+def _masked_value(value: Any) -> bool | int | None:
+    """The value that masks a position of ``value``, if ``value`` looks like a 0/1 mask."""
+    if not (isinstance(value, torch.Tensor) and value.dim() >= 1 and value.numel() >= 2
+            and not value.is_complex()):
+        return None
+    if value.dtype != torch.bool and not bool(((value == 0) | (value == 1)).all()):
+        return None
+    ones = int(torch.count_nonzero(value))
+    off = 0 if ones >= value.numel() - ones else 1
+    if value.dtype == torch.bool:
+        return bool(off)
+    return None if off and not value.is_floating_point() else off
+
+
+def _padded(rows: int, width: int) -> torch.Tensor:
+    pattern = torch.zeros(rows, width, dtype=torch.bool)
+    pattern[:, (width + 1) // 2:] = True
+    if rows > 1:
+        pattern[-1] = True
+    return pattern
+
+
+def _everything(rows: int, width: int) -> torch.Tensor:
+    return torch.ones(rows, width, dtype=torch.bool)
 
 
 def _groups(names: Sequence[str], kinds: Sequence[Hashable] | None = None,

@@ -9,8 +9,9 @@ fp32, every other op in the precision of its inputs; a cast only where a value c
 
 from __future__ import annotations
 
+import math
 import operator
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from .graph import attr, fresh_name, meta_val
 
 aten = torch.ops.aten
 _CAST = aten._to_copy.default
+_SHORT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass(frozen=True)
@@ -34,11 +36,13 @@ class CastPlan:
         low_nodes: every node now computing in low precision (chosen ops and their followers).
         casts: cast nodes inserted.
         params_stored_low: parameters and buffers stored once in low precision.
+        clamped: casts of attention masks clamped into the low precision's range first.
     """
 
     low_nodes: frozenset[str]
     casts: int
     params_stored_low: int
+    clamped: int = 0
 
 
 def is_aten_graph(gm: GraphModule) -> bool:
@@ -104,7 +108,7 @@ def pinned_nodes(gm: GraphModule) -> set[Node]:
 
 
 def apply_casts(gm: GraphModule, low: Iterable[str], dtype: torch.dtype, *,
-                store_params: bool) -> CastPlan:
+                store_params: bool, wide: Collection[str] = ()) -> CastPlan:
     """Rewrite ``gm`` in place so the nodes named in ``low`` compute in ``dtype``.
 
     Args:
@@ -114,22 +118,24 @@ def apply_casts(gm: GraphModule, low: Iterable[str], dtype: torch.dtype, *,
         store_params: store a parameter once in ``dtype`` where every use of it is low
             precision (inference); otherwise cast it inside the graph, so that gradients reach
             the fp32 parameter (training: fp32 master weights).
+        wide: nodes holding values ``dtype`` cannot (``out_of_range``): they stay fp32, and
+            where one is an attention mask of a low-precision op it is clamped into range.
     """
-    low = set(low)
+    low, wide = set(low), set(wide)
     pinned = pinned_nodes(gm)
-    region = _regions(gm, low, dtype, pinned)
+    region = _regions(gm, low, dtype, pinned, wide)
     original = {n: _dtype(meta_val(n)) for n in gm.graph.nodes}  # before any meta changes
-    params_low = _params_to_store(gm, region, pinned) if store_params else set()
+    params_low = _params_to_store(gm, region, pinned, wide) if store_params else set()
     stored = _store_params(gm, params_low, dtype)
     new_dtype: dict[Node, torch.dtype | None] = {}  # per node: its output dtype after rewriting
     casts: dict[tuple[Node, torch.dtype], Node] = {}
-    count = 0
+    count = clamps = 0
 
     def out_dtype(n: Node) -> torch.dtype | None:
         return new_dtype.get(n, original.get(n))
 
     def cast(source: Node, to: torch.dtype, user: Node) -> Node:
-        nonlocal count
+        nonlocal count, clamps
         key = (source, to)
         shared = source not in pinned  # a written value is cast where it is read
         if shared and key in casts:
@@ -141,9 +147,14 @@ def apply_casts(gm: GraphModule, low: Iterable[str], dtype: torch.dtype, *,
             where = gm.graph.inserting_after(last)
         else:
             where = gm.graph.inserting_after(source)
-        with where:
-            node = gm.graph.call_function(_CAST, (source,), {"dtype": to})
         value = meta_val(source)
+        source_of_cast = source
+        if source.name in wide and to != torch.float32:
+            source_of_cast = _insert_saturation(gm, source, to, where)
+            where = gm.graph.inserting_after(source_of_cast)
+            clamps += 1
+        with where:
+            node = gm.graph.call_function(_CAST, (source_of_cast,), {"dtype": to})
         node.meta["val"] = value.to(to) if isinstance(value, torch.Tensor) else value
         count += 1
         if shared:
@@ -179,7 +190,7 @@ def apply_casts(gm: GraphModule, low: Iterable[str], dtype: torch.dtype, *,
         elif target is not None and _is_tuple_of_float32(node):
             node.meta["val"] = _to(meta_val(node), target)
     low_nodes = frozenset(n.name for n, d in region.items() if d == dtype)
-    return CastPlan(low_nodes, count, stored)
+    return CastPlan(low_nodes, count, stored, clamps)
 
 
 class CastInterpreter(Interpreter):
@@ -191,12 +202,14 @@ class CastInterpreter(Interpreter):
         low: names of the candidate nodes to run in ``dtype``.
         dtype: the low precision.
         params: low-precision copies of attributes, by attribute name, shared across runs.
+        wide: nodes holding values ``dtype`` cannot (``out_of_range``).
     """
 
     def __init__(self, gm: GraphModule, low: Iterable[str], dtype: torch.dtype,
-                 params: dict[str, torch.Tensor]) -> None:
+                 params: dict[str, torch.Tensor], wide: Collection[str] = ()) -> None:
         super().__init__(gm)
-        self.region = _regions(gm, set(low), dtype, pinned_nodes(gm))
+        self.wide = set(wide)
+        self.region = _regions(gm, set(low), dtype, pinned_nodes(gm), self.wide)
         self.original = {n: _dtype(meta_val(n)) for n in gm.graph.nodes}
         self.params = params
 
@@ -221,25 +234,56 @@ class CastInterpreter(Interpreter):
         if arg.op == "get_attr":
             key = f"{arg.target}|{want}"
             if key not in self.params:
-                self.params[key] = value.detach().to(want)
+                self.params[key] = _lowered(value.detach(), want, arg.name in self.wide)
             return self.params[key]
-        return value.to(want)
+        return _lowered(value, want, arg.name in self.wide)
+
+
+def _lowered(value: torch.Tensor, dtype: torch.dtype, wide: bool) -> torch.Tensor:
+    """``value`` in ``dtype``; a wide value (an attention mask) saturated first, as
+    ``apply_casts`` does."""
+    if wide and dtype != torch.float32:
+        bound = torch.finfo(dtype).max
+        value = torch.where(value.isinf(), value, value.clamp(-bound, bound))
+    return value.to(dtype)
+
+
+def _insert_saturation(gm: GraphModule, source: Node, dtype: torch.dtype, where: Any) -> Node:
+    """Insert ``where(isinf(x), x, clamp(x, -max, max))`` at ``where``: ``x`` (an additive
+    mask) clamped into ``dtype``'s range so that ``finfo(float32).min`` does not become -inf,
+    while the infinities fp32 itself computes (as eager would) stay."""
+    bound = torch.finfo(dtype).max
+    value = meta_val(source)
+    with where:
+        clamped = gm.graph.call_function(aten.clamp.default, (source, -bound, bound))
+    with gm.graph.inserting_after(clamped):
+        infinite = gm.graph.call_function(aten.isinf.default, (source,))
+    with gm.graph.inserting_after(infinite):
+        saturated = gm.graph.call_function(aten.where.self, (infinite, source, clamped))
+    clamped.meta["val"] = saturated.meta["val"] = value
+    if isinstance(value, torch.Tensor):
+        infinite.meta["val"] = torch.isinf(value)
+    return saturated
 
 
 # --- regions ---------------------------------------------------------------------------------
 
 
 def _regions(gm: GraphModule, low: set[str], dtype: torch.dtype, pinned: set[Node],
-             ) -> dict[Node, torch.dtype]:
+             wide: Collection[str] = ()) -> dict[Node, torch.dtype]:
     """The compute dtype of each call node that changes (absent: keeps its original dtypes).
 
     Chosen candidates run in ``dtype``, sensitive ops in fp32; other ops on fp32 values follow
     their inputs: low when some input is low and none is an fp32 activation (parameters and
     constants can be cast either way), so regions grow without casts between neighbours.
+    Ops holding values ``dtype`` cannot (``wide``: a mask fill of ``finfo(float32).min``) stay
+    fp32.
     """
     region: dict[Node, torch.dtype] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem or node in pinned:
+            continue
+        if node.name in wide:
             continue
         if not (float32_out(node) or _is_tuple_of_float32(node)) or _mutated(node):
             continue
@@ -264,11 +308,12 @@ def _regions(gm: GraphModule, low: set[str], dtype: torch.dtype, pinned: set[Nod
 
 
 def _params_to_store(gm: GraphModule, region: dict[Node, torch.dtype], pinned: set[Node],
-                     ) -> set[Node]:
-    """Attribute nodes holding fp32 tensors whose every user computes in low precision."""
+                     wide: Collection[str] = ()) -> set[Node]:
+    """Attribute nodes holding fp32 tensors whose every user computes in low precision (and
+    whose values the low precision holds)."""
     chosen = set()
     for node in gm.graph.nodes:
-        if node.op != "get_attr" or node in pinned or not float32_out(node):
+        if node.op != "get_attr" or node in pinned or not float32_out(node) or node.name in wide:
             continue
         if not isinstance(attr(gm, node), torch.Tensor):
             continue
@@ -299,6 +344,113 @@ def _restore_outputs(output: Node, out_dtype: Any, original: dict[Node, Any], ca
         have, want = out_dtype(arg), original.get(arg)
         if have is not None and want is not None and have != want:
             output.replace_input_with(arg, cast(arg, want, output))
+
+
+# --- range -----------------------------------------------------------------------------------
+
+
+def out_of_range(gm: GraphModule, dtype: torch.dtype, example_inputs: Sequence[Any] = (),
+                 ) -> dict[str, float]:
+    """Nodes whose values ``dtype`` cannot hold, or holds so near its limit that one more
+    addition overflows: node name -> the largest magnitude found.
+
+    Sources are scalar arguments (``masked_fill(x, m, finfo(float32).min)``, ``(1 - mask) *
+    -1e9``), constant tensors and example inputs; from them the magnitude carries on through
+    every op that can pass it on, and stops at bounded ones (softmax, norms) and at an
+    attention's mask argument. Only a source is seen, not a value an op computes: an overflow
+    of that kind is left to measurement.
+    """
+    limit = torch.finfo(dtype).max / 2
+    examples = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs,
+                        strict=False))
+    wide: dict[str, float] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            magnitude = _magnitude(examples.get(node))
+        elif node.op == "get_attr":
+            magnitude = _magnitude(attr(gm, node))
+        elif node.op == "call_function" and _floating_out(node):
+            magnitude = max(_scalar_magnitudes(node), default=0.0)
+            if node.target not in precision_ops.BOUNDED:
+                magnitude = max([magnitude] + [wide.get(a.name, 0.0) for a in _carried(node)])
+        else:
+            continue
+        if magnitude > limit:
+            wide[node.name] = magnitude
+    return wide
+
+
+def range_refusal(node: Node, wide: Mapping[str, float], dtype: torch.dtype) -> str | None:
+    """Why candidate ``node`` cannot compute in ``dtype`` given ``out_of_range``'s answer, or
+    None when it can."""
+    name = _SHORT_NAMES.get(dtype, str(dtype))
+    if node.name in wide:
+        return (f"holds values of magnitude {wide[node.name]:.3g}, beyond what {name} holds "
+                f"(max {torch.finfo(dtype).max:.3g})")
+    mask = attention_mask(node)
+    if mask is not None and mask.name in wide and not saturates(dtype):
+        return (f"its mask {mask.name} holds {wide[mask.name]:.3g}, which {name} (max "
+                f"{torch.finfo(dtype).max:.3g}) cannot hold, nor clamp without changing the "
+                f"attention of masked rows")
+    return None
+
+
+def saturates(dtype: torch.dtype) -> bool:
+    """Whether an additive mask of fp32's magnitude can be clamped to ``dtype``'s limit and
+    stay the same mask: bf16's limit (3.39e38) still swamps every score, so fully masked rows
+    still attend uniformly; fp16's (65504) does not: scores + mask round to -inf or keep their
+    differences."""
+    return torch.finfo(dtype).max >= torch.finfo(torch.float32).max / 2
+
+
+def attention_mask(node: Node) -> Node | None:
+    """The additive mask argument of an attention node, if any."""
+    slot = precision_ops.ATTENTION_MASK_ARG.get(node.target)
+    if slot is None:
+        return None
+    index, key = slot
+    value = node.args[index] if index < len(node.args) else node.kwargs.get(key)
+    return value if isinstance(value, Node) else None
+
+
+def _carried(node: Node) -> list[Node]:
+    """The inputs whose magnitude can reach ``node``'s output."""
+    mask = attention_mask(node)
+    return [a for a in node.all_input_nodes if a is not mask]
+
+
+def _magnitude(value: Any) -> float:
+    """The largest finite magnitude in a floating tensor (infinities every float type holds)."""
+    if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel()):
+        return 0.0
+    if isinstance(value, torch._subclasses.FakeTensor) or value.device.type == "meta":
+        return 0.0
+    finite = value.detach().abs().nan_to_num(0.0, posinf=0.0)
+    return float(finite.max())
+
+
+def _scalar_magnitudes(node: Node) -> list[float]:
+    """The magnitudes of the numbers ``node`` computes with (fill values, factors), not of
+    sizes or dims."""
+    schema = _schema(node)
+    if schema is None:
+        return []
+    found = []
+    for i, argument in enumerate(schema.arguments):
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+        kind = argument.type
+        if isinstance(kind, torch._C.OptionalType):
+            kind = kind.getElementType()
+        if (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and isinstance(kind, (torch._C.TensorType, torch._C.NumberType,
+                                      torch._C.FloatType)) and math.isfinite(value)):
+            found.append(abs(float(value)))
+    return found
+
+
+def _floating_out(node: Node) -> bool:
+    values = pytree.tree_leaves(meta_val(node))
+    return any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in values)
 
 
 # --- node facts ------------------------------------------------------------------------------

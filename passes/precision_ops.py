@@ -48,3 +48,14 @@ SENSITIVE = frozenset(
 
 # Linear layers dynamic int8 quantization replaces (weight quantized once, activations per call).
 INT8_LINEAR = frozenset({aten.linear.default})
+
+# Ops whose result stays bounded whatever the magnitude of their inputs (probabilities,
+# normalized values): a mask value near fp32's limits that enters them does not leave.
+BOUNDED = frozenset(
+    {aten.softmax.int, aten._softmax.default, aten.sigmoid.default, aten.tanh.default,
+     aten.layer_norm.default, aten.rms_norm.default, aten.group_norm.default}
+)
+
+# Attention with an additive mask argument: the mask's magnitude does not reach the output (a
+# weighted mean of the values), so a huge mask value is a mask, not an overflow to carry on.
+ATTENTION_MASK_ARG = {aten.scaled_dot_product_attention.default: (3, "attn_mask")}

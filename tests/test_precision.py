@@ -1,4 +1,5 @@
-"""The precision pass: bf16/fp16 casts chosen by measurement, int8 linears, training, errors."""
+"""The precision pass: bf16/fp16 casts chosen by measurement, int8 linears, training, masks and
+padding, errors."""
 
 from __future__ import annotations
 
@@ -19,10 +20,19 @@ from autoopt import precision as precision_settings
 from autoopt.errors import ConfigError
 from autoopt.passes import PassContext
 from autoopt.passes.graph import attr
-from autoopt.passes.precision import cast_precision, choose
+from autoopt.passes.precision import cast_precision, choose, masked_variants
 from autoopt.verify import _leaves, input_sets
 
 aten = torch.ops.aten
+
+
+@pytest.fixture(autouse=True)
+def _low_precision_measures_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether bf16/fp16 is applied on a CPU depends on its measured matmul speed (AMX: yes; an
+    AVX-512 CPU without it, or at another thread count: maybe not). The tests pin the answer to
+    "faster"; the tests of the other answer pin their own."""
+    speeds = {torch.float32: 100e9, torch.bfloat16: 800e9, torch.float16: 800e9}
+    monkeypatch.setattr(precision_settings, "matmul_flops", lambda device, dtype: speeds[dtype])
 
 
 class Block(nn.Module):
@@ -164,6 +174,158 @@ def test_inplace_relu_after_conv_is_functionalized_not_cast_around() -> None:
     summary = fast.report.captures[0].precision
     assert summary is not None and summary.low_ops == 2 and summary.casts == 2
     assert_fresh_inputs_within(model, fast, (x,), {}, 5e-2)
+
+
+# --- masks and padding -----------------------------------------------------------------------
+
+
+class AdditiveMask(nn.Module):
+    """Attention over padded sequences with the mask idiom of BERT-style code: padded positions
+    get ``finfo(float32).min`` added to their scores, which bf16 and fp16 cannot hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q = self.q(x)
+        scores = q @ q.transpose(-1, -2) / 4
+        scores = scores + (1.0 - mask[:, None, :]) * torch.finfo(torch.float32).min
+        return scores.softmax(-1) @ q
+
+
+class FilledMask(nn.Module):
+    """The same with ``masked_fill`` and a fill value of the model's choosing."""
+
+    def __init__(self, fill: float) -> None:
+        super().__init__()
+        self.q = nn.Linear(16, 16)
+        self.fill = fill
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q = self.q(x)
+        scores = (q @ q.transpose(-1, -2) / 4).masked_fill(mask[:, None, :] == 0, self.fill)
+        return scores.softmax(-1) @ q
+
+
+def _padded(mask: torch.Tensor) -> torch.Tensor:
+    """Row 0 padded after 4 positions, row 1 all padding (its attention is uniform in fp32)."""
+    padded = mask.clone()
+    padded[0, 4:] = 0
+    padded[1] = 0
+    return padded
+
+
+@pytest.mark.parametrize("disable", [(), ("attention",)], ids=["sdpa", "written_out"])
+def test_padded_batch_stays_within_tolerance_in_bf16(disable: tuple[str, ...]) -> None:
+    # The example has no padding: measured on it alone, finfo(float32).min cast to bf16 became
+    # -inf and a fully padded row attended to nothing instead of uniformly (error 0.55).
+    model, x, mask = AdditiveMask().eval(), torch.randn(2, 6, 16), torch.ones(2, 6)
+    fast = autoopt.optimize(model, (x, mask), precision="bf16", disable=disable)
+    summary = fast.report.captures[0].precision
+    assert summary is not None and summary.low_ops >= 2, str(fast.report)
+    with torch.no_grad():
+        assert_within(model(x, _padded(mask)), fast(x, _padded(mask)), 2e-2)
+        assert_within(model(x, mask), fast(x, mask), 2e-2)
+    assert summary.masked_sets == 1  # measured on a copy with padding and a fully padded row
+    kept = {k.node: k.why for k in summary.kept}
+    assert "beyond what bf16 holds" in kept["mul"]  # the mask itself stays fp32
+    # Where attention takes it as an argument, the mask enters bf16 clamped to bf16's range,
+    # which still swamps every score: a fully padded row attends uniformly, as in fp32.
+    graph = fast._specializations[0].run.graph
+    fused = any(n.target == aten.scaled_dot_product_attention.default for n in graph.nodes)
+    assert summary.clamped == int(fused)
+
+
+def test_additive_mask_keeps_attention_in_fp32_under_fp16() -> None:
+    # fp16's largest value, 65504, is no mask: scores + mask round against it, so a fully
+    # padded row would not attend uniformly. Attention on such a mask stays fp32.
+    model, x, mask = AdditiveMask().eval(), torch.randn(2, 6, 16), torch.ones(2, 6)
+    fast = autoopt.optimize(model, (x, mask), precision="fp16")
+    summary = fast.report.captures[0].precision
+    assert summary is not None and summary.low_ops >= 1, str(fast.report)
+    with torch.no_grad():
+        assert_within(model(x, _padded(mask)), fast(x, _padded(mask)), 1e-2)
+    graph = fast._specializations[0].run.graph
+    for node in graph.nodes:
+        if node.target == aten.scaled_dot_product_attention.default:
+            assert node.meta["val"].dtype == torch.float32
+            assert "nor clamp" in {k.node: k.why for k in summary.kept}[node.name]
+
+
+@pytest.mark.parametrize(("precision", "fill"), [("bf16", torch.finfo(torch.float32).min),
+                                                 ("fp16", -1e9)])
+def test_masked_fill_beyond_the_low_dtype_is_kept_in_fp32(precision: str, fill: float) -> None:
+    # The fill value made the pass raise ("value cannot be converted to type c10::BFloat16
+    # without overflow") and the whole model stayed fp32 with only a warning.
+    model, x, mask = FilledMask(fill).eval(), torch.randn(2, 6, 16), torch.ones(2, 6)
+    tolerance = precision_settings.DEFAULT_TOLERANCE[precision]
+    fast = autoopt.optimize(model, (x, mask), precision=precision)
+    assert not fast.report.warnings, fast.report.warnings
+    summary = fast.report.captures[0].precision
+    assert summary is not None and summary.low_ops == 3, str(fast.report)  # q, both matmuls
+    assert "beyond what" in {k.node: k.why for k in summary.kept}["masked_fill"]
+    graph = fast._specializations[0].run.graph
+    (fill_node,) = [n for n in graph.nodes if n.target == aten.masked_fill.Scalar]
+    assert fill_node.meta["val"].dtype == torch.float32 and fill_node.args[2] == fill
+    with torch.no_grad():
+        assert_within(model(x, _padded(mask)), fast(x, _padded(mask)), tolerance)
+
+
+def test_masked_rows_that_are_nan_in_fp32_do_not_block_the_pass() -> None:
+    # A fill of -inf (which bf16 holds) makes a fully masked row NaN in fp32 as well: the
+    # measurement asks for the same NaN there, not an error below the budget.
+    model, x, mask = FilledMask(-math.inf).eval(), torch.randn(2, 6, 16), torch.ones(2, 6)
+    fast = autoopt.optimize(model, (x, mask), precision="bf16")
+    with torch.no_grad():
+        expected, actual = model(x, _padded(mask)), fast(x, _padded(mask))
+    assert torch.equal(expected.isnan(), actual.isnan()) and bool(expected[1].isnan().all())
+    assert_within(expected[0], actual[0], 2e-2)
+    summary = fast.report.captures[0].precision
+    assert summary is not None and summary.low_ops == 3 and summary.masked_sets == 1
+
+
+def test_masked_variants_pad_rows_and_mask_a_whole_one() -> None:
+    ones, features = torch.ones(2, 4, dtype=torch.int64), torch.randn(2, 4)
+    (variant,) = masked_variants((features, ones))
+    assert variant[0] is features  # not a mask: untouched
+    assert variant[1].tolist() == [[1, 1, 0, 0], [0, 0, 0, 0]]
+    assert ones.tolist() == [[1] * 4] * 2  # the example is not written
+    padding = torch.zeros(1, 4, dtype=torch.bool)  # True marks padding: True is "masked"
+    padded, everything = masked_variants((padding,))  # one row: a second copy masks all of it
+    assert padded[0].tolist() == [[False, False, True, True]]
+    assert everything[0].tolist() == [[True] * 4]
+    # Zeros in an integer tensor may be indices: never turned into ones.
+    assert masked_variants((torch.zeros(2, 4, dtype=torch.int64),)) == []
+
+
+# --- measuring leaves no trace ---------------------------------------------------------------
+
+
+class Normalized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.norm = nn.BatchNorm1d(16)
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.norm(self.up(x))))
+
+
+def test_bf16_training_measurement_leaves_batch_norm_statistics_alone() -> None:
+    # The measuring runs updated the private copy's statistics: num_batches_tracked 2 after
+    # optimize, non-zero running means.
+    model = Normalized().train()
+    before = copy.deepcopy(model.state_dict())
+    fast = autoopt.optimize(model, (torch.randn(16, 8),), precision="bf16", training=True)
+    assert fast.report.captures[0].precision is not None, str(fast.report)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    private = {k.removeprefix("module."): v for k, v in fast.state_dict().items()}
+    assert private.keys() == before.keys()
+    for name, value in private.items():
+        assert torch.equal(value, before[name]), name
 
 
 # --- real models -----------------------------------------------------------------------------
