@@ -425,8 +425,10 @@ def _magnitude(value: Any) -> float:
         return 0.0
     if isinstance(value, torch._subclasses.FakeTensor) or value.device.type == "meta":
         return 0.0
-    finite = value.detach().abs().nan_to_num(0.0, posinf=0.0)
-    return float(finite.max())
+    largest = float(value.detach().abs().amax())
+    if math.isfinite(largest):  # the common case: one pass over the weights, no copy kept
+        return largest
+    return float(value.detach().abs().nan_to_num(0.0, posinf=0.0).amax())
 
 
 def _scalar_magnitudes(node: Node) -> list[float]:
