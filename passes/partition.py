@@ -73,7 +73,8 @@ class StagePlan:
         nodes: names of its compute nodes, in execution order.
         compute_s: predicted compute time on its device (per microbatch).
         transfer_s: predicted time to receive its inputs from the stage before.
-        parameter_bytes: parameters and buffers its nodes read.
+        parameter_bytes: parameters and buffers its nodes read (each stage that reads a tied
+            weight holds it, so it counts in each).
         activation_bytes: activation memory it needs for the microbatches in flight.
         inputs: the values it receives (graph inputs for stage 0), as node names.
         input_bytes: their size.
@@ -152,15 +153,14 @@ class NodeProfile:
         live = np.zeros(n + 2, dtype=np.float64)
         unsendable = np.zeros(n + 2, dtype=np.int64)
         self.values: list[tuple[Node, int, int]] = []  # (value, defined at, last used at)
-        seen_params: set[int] = set()
+        attributes: dict[int, tuple[int, list[int]]] = {}  # tensor id -> (bytes, user indices)
         for node in gm.graph.nodes:
             if node.op == "get_attr":
-                # A parameter belongs to the stage of its first user (tied weights counted once).
-                users = sorted(index[u] for u in node.users if u in index)
                 value = _attr(gm, node)
-                if users and isinstance(value, torch.Tensor) and id(value) not in seen_params:
-                    seen_params.add(id(value))
-                    self.params[users[0]] += value.numel() * value.element_size()
+                if isinstance(value, torch.Tensor):
+                    size = value.numel() * value.element_size()
+                    entry = attributes.setdefault(id(value), (size, []))
+                    entry[1].extend(index[u] for u in node.users if u in index)
                 continue
             if node.op not in COMPUTE_OPS and node.op != "placeholder":
                 continue
@@ -185,6 +185,15 @@ class NodeProfile:
                 saved = cost.by_node[node.name].saved_bytes if node.name in cost.by_node else 0
                 self.saved[defined] = saved if (training and saved) else \
                     (0 if is_view(node.target) else size)
+        # A parameter is counted at its first user; a later stage that reads it too (a tied
+        # weight, a layer applied twice) holds a copy of its own, added by ``shared_bytes``.
+        self.shared: list[tuple[int, np.ndarray]] = []
+        for size, users in attributes.values():
+            if users:
+                ordered = np.unique(np.array(users, dtype=np.int64))
+                self.params[ordered[0]] += size
+                if len(ordered) > 1:
+                    self.shared.append((size, ordered))
         self.crossing = np.cumsum(crossing)[: n + 1]
         self.live = np.cumsum(live)[:n]
         self.forbidden = np.cumsum(unsendable)[: n + 1] > 0
@@ -194,6 +203,18 @@ class NodeProfile:
         self.saved_prefix = np.concatenate([[0.0], np.cumsum(self.saved)])
         self.outputs = tuple(v.name for v, _, last in self.values if last == n
                              and any(u.op == "output" for u in v.users))
+
+    def shared_bytes(self, i: np.ndarray | int, j: int) -> np.ndarray | float:
+        """Bytes of the tensors that stage [i, j) reads but that an earlier stage, holding
+        their first user, is counted for (vectorised over ``i``)."""
+        starts = np.asarray(i)
+        extra = np.zeros(starts.shape)
+        for size, users in self.shared:
+            following = np.searchsorted(users, starts)  # the first user at or after the start
+            next_user = np.where(following < len(users),
+                                 users[np.minimum(following, len(users) - 1)], j)
+            extra += size * ((users[0] < starts) & (next_user < j))
+        return extra if extra.ndim else float(extra)
 
     def crossing_names(self, cut: int) -> tuple[str, ...]:
         """The values that cross cut ``cut``, in graph order."""
@@ -276,6 +297,7 @@ def partition(gm: GraphModule, cost: GraphCost, devices: Sequence[DeviceSpec], *
             if np.isfinite(cap):
                 peak = np.maximum.accumulate(profile.live[s:j][::-1])[::-1]
                 memory = (profile.param_prefix[j] - profile.param_prefix[s:j]
+                          + profile.shared_bytes(i, j)
                           + _activation(profile, i, j, peak, microbatches, training))
                 stage = np.where(memory > cap, np.inf, stage)
             step = np.maximum(before, stage)
@@ -316,7 +338,8 @@ def evaluate(gm: GraphModule, cost: GraphCost, devices: Sequence[DeviceSpec],
             index=s, device=device.name, nodes=tuple(x.name for x in profile.order[a:b]),
             compute_s=float(profile.time_prefix[b] - profile.time_prefix[a]) / device.speed,
             transfer_s=float(profile.crossing[a]) / device.link_bytes_per_s if s else 0.0,
-            parameter_bytes=int(profile.param_prefix[b] - profile.param_prefix[a]),
+            parameter_bytes=int(profile.param_prefix[b] - profile.param_prefix[a]
+                                + profile.shared_bytes(a, b)),
             activation_bytes=int(_activation(profile, a, b, peak, microbatches, training)),
             inputs=inputs, input_bytes=int(profile.crossing[a])))
     total_speed = sum(d.speed for d in devices)
@@ -337,12 +360,12 @@ def _check_nodes_fit(profile: NodeProfile, devices: Sequence[DeviceSpec], microb
         return
     largest = max(c for c in caps if c is not None)
     for i, node in enumerate(profile.order):
-        need = profile.params[i] + _activation(profile, i, i + 1, profile.live[i], microbatches,
-                                               training)
+        params = profile.params[i] + profile.shared_bytes(i, i + 1)
+        need = params + _activation(profile, i, i + 1, profile.live[i], microbatches, training)
         if need > largest:
             raise PartitionError(
                 f"node {node.name} ({node.target}) alone needs {need / 2**20:.1f} MiB "
-                f"(parameters {profile.params[i] / 2**20:.1f} MiB plus activations), more than "
+                f"(parameters {params / 2**20:.1f} MiB plus activations), more than "
                 f"the largest device memory, {largest / 2**20:.1f} MiB; give the devices more "
                 f"memory or use fewer microbatches / a smaller batch.")
 

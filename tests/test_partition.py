@@ -206,6 +206,35 @@ def test_memory_caps_are_respected() -> None:
     assert capped.bottleneck_s >= free.bottleneck_s
 
 
+class TiedLM(nn.Module):
+    """The embedding's weight is the LM head's: the first node and the last read it."""
+
+    def __init__(self, vocab: int = 256, dim: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.body = nn.Sequential(nn.Linear(dim, dim), nn.Tanh(), nn.Linear(dim, dim))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(ids)))
+
+
+def test_a_weight_read_on_both_sides_of_a_cut_counts_in_both_stages() -> None:
+    """Each stage holds its own copy of a tied weight (a process per stage, or a device):
+    the memory a cap is checked against counts it in every stage that reads it."""
+    gm = captured(TiedLM(), torch.randint(0, 256, (1, 3)))
+    tied = 256 * 8 * 4
+    total = sum(p.numel() * 4 for p in TiedLM().parameters())  # the tied weight once
+    cost = costs(gm)
+    for cut in allowed_cuts(gm):
+        plan = evaluate(gm, cost, [DeviceSpec()] * 2, [cut])
+        assert all(s.parameter_bytes >= tied for s in plan.stages), cut
+        assert sum(s.parameter_bytes for s in plan.stages) == total + tied
+    whole = evaluate(gm, cost, [DeviceSpec()], [])
+    assert whole.stages[0].parameter_bytes == total
+
+
 def test_training_counts_every_microbatch_in_flight() -> None:
     gm = captured(mlp([16, 64, 64, 16]), torch.randn(4, 16))
     cost = costs(gm, seed=3)
