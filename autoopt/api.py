@@ -6,6 +6,7 @@ import contextlib
 import copy
 import functools
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -25,12 +26,13 @@ from .backend import autoopt_backend
 from .config import OptimizeConfig
 from .cost_model import CostModel
 from .errors import ConfigError, DeviceError, InputError, ModelError
-from .guards import InputSignature, current_modes, signature_of
+from .guards import InputSignature, current_modes, needs_gradients, signature_of
 from .passes import PassContext
 from .pipeline import run_pipeline
 from .report import CaptureRecord, Report
 from .state import has_hooks, preserved, python_state, uses_custom_autograd
-from .verify import VerifyResult, _leaves, check_all, input_sets
+from .verify import VerifyResult, _leaves, check_all, clone_inputs, gradients, input_sets
+from .watch import ModuleWatch
 
 log = logging.getLogger(__name__)
 
@@ -116,10 +118,13 @@ class _Specialization:
     method: str
     run: Callable[..., Any]
     graph: GraphModule | None = None  # the optimized whole graph ``run`` executes, if one
-    # For an inference capture, the weights' stamp (``OptimizedModule._weights_stamp``) its
-    # constants were computed at: folded BatchNorms, merged and packed weights are copies,
-    # so the graph is stale once a parameter or buffer is written. None: reads them live.
+    # For an inference capture, the weights' stamp (``ModuleWatch.stamp``) its constants
+    # were computed at: folded BatchNorms, merged and packed weights are copies, so the graph
+    # is stale once a parameter or buffer is written. None: reads them live.
     stamp: int | None = None
+    # Whether running it writes the module's buffers (train mode: BatchNorm statistics); its
+    # own writes keep it current.
+    writes_buffers: bool = False
 
 
 class OptimizedModule(nn.Module):
@@ -143,44 +148,89 @@ class OptimizedModule(nn.Module):
         self._dynamic_shapes = dynamic_shapes
         self._specializations: list[_Specialization] = []
         self._submodules = list(module.modules())  # for the train/eval flags checked per call
+        self._parameters_list = list(module.parameters())  # for requires_grad, checked too
         # Measures nothing until a pass asks; measurements persist in the on-disk cache.
         self.cost_model = CostModel(_model_device(module) or "cpu")
-        self._weights: list[torch.Tensor] = []
-        self._track_weights()
+        # What the graphs assume of the module beyond its inputs: which tensors, their
+        # values, the Python attributes traced into them.
+        self._watch = ModuleWatch(module)
+        # Captures (and the bookkeeping of the graph list) one thread at a time; replaying a
+        # graph that exists takes no lock.
+        self._lock = threading.RLock()
         # load_state_dict(assign=True) replaces the tensors themselves, which no stamp sees;
         # and a load must not write into the user's tensors.
         module.register_load_state_dict_pre_hook(self._before_load)
         module.register_load_state_dict_post_hook(self._weights_loaded)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if any(s.stamp is not None for s in self._specializations):
-            self._drop_stale_graphs()
-        spec = self._find(args, kwargs) or self.specialize(args, kwargs)
+        specs = self._specializations
+        if specs and any(s.signature is not None for s in specs):
+            if self._watch.replaced():
+                # Other tensors sit in the module's slots than the graphs hold.
+                if not self._watch.reassigned():
+                    # Swapped in for this call (torch.func.functional_call, stateless
+                    # reparametrization): eager reads them where they are.
+                    return self._run_reparametrized(args, kwargs)
+                self._retrack()  # assigned for good (module.weight = Parameter(...))
+                specs = ()
+            elif self._watch.attributes_changed():
+                self._drop_graphs(lambda s: s.signature is not None,
+                                  "a Python attribute of the model changed after capture (a "
+                                  "graph replays the value it traced): its graphs are "
+                                  "captured again on their next call")
+            if any(s.stamp is not None for s in specs):
+                self._drop_stale_graphs()
+        spec = self._find(args, kwargs)
+        if spec is None:
+            with self._lock:  # another thread may have captured it meanwhile
+                spec = self._find(args, kwargs) or self.specialize(args, kwargs)
+        if spec.writes_buffers and spec.stamp is not None:
+            return self._run_writing(spec, args, kwargs)
         return spec.run(*args, **kwargs)
+
+    def _run_writing(self, spec: _Specialization, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> Any:
+        """A graph that updates BatchNorm statistics (train mode under ``no_grad``, as in
+        ``swa_utils.update_bn``): its own writes leave it current, so it is not captured anew
+        on every call."""
+        out = spec.run(*args, **kwargs)
+        with self._lock:
+            stamp = self._watch.stamp()
+            for other in self._specializations:
+                if other.stamp == spec.stamp:
+                    other.stamp = stamp
+            self._watch.take_fingerprint()
+        return out
 
     # --- weights written after capture ----------------------------------------------------
 
-    def _track_weights(self) -> None:
-        # Inference tensors have no version counter (and cannot be written outside
-        # inference mode); the rest can.
-        self._weights = [t for t in (*self.module.parameters(), *self.module.buffers())
-                         if not t.is_inference()]
+    def _run_reparametrized(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        note = ("parameters or buffers were replaced by other tensors (functional_call, "
+                "attribute assignment): calls with them run eagerly")
+        if note not in self.report.warnings:
+            self.report.warnings.append(note)
+        return self.module(*args, **kwargs)
 
-    def _weights_stamp(self) -> int:
-        """Grows whenever a parameter or buffer is written in place (an optimizer step,
-        BatchNorm statistics, ``load_state_dict``): version counters only increase."""
-        return sum(t._version for t in self._weights)
-
-    def _drop_stale_graphs(self) -> None:
-        stamp = self._weights_stamp()
-        stale = [s for s in self._specializations if s.stamp is not None and s.stamp != stamp]
-        if stale:
-            self._specializations = [s for s in self._specializations if s not in stale]
-            note = ("parameters or buffers were written after an inference capture (training, "
-                    "load_state_dict, in-place edits): graphs whose folded or packed constants "
-                    "came from the old values are captured again on their next call")
+    def _drop_graphs(self, which: Callable[[_Specialization], bool], note: str) -> None:
+        with self._lock:
+            self._specializations = [s for s in self._specializations if not which(s)]
+            self._watch.refresh_attributes()
             if note not in self.report.warnings:
                 self.report.warnings.append(note)
+
+    def _drop_stale_graphs(self) -> None:
+        stamp = self._watch.stamp()
+        rewritten = self._watch.fingerprint_changed()
+        stale = [s for s in self._specializations
+                 if s.stamp is not None and (s.stamp != stamp or rewritten)]
+        if stale:
+            self._drop_graphs(lambda s: s in stale,
+                              "parameters or buffers were written after an inference capture "
+                              "(training, load_state_dict, in-place or .data edits): graphs "
+                              "whose folded or packed constants came from the old values are "
+                              "captured again on their next call")
+            with self._lock:
+                self._watch.take_fingerprint()
 
     def _unshare(self) -> None:
         """Give the private module its own copy of the weights it shares with the user's
@@ -199,16 +249,27 @@ class OptimizedModule(nn.Module):
                 if t is not None and id(t) not in done:
                     done.add(id(t))
                     t.data = t.data.clone()
+        self._watch.take_fingerprint()  # new memory, the same values
 
     def _before_load(self, *args: Any, **kwargs: Any) -> None:
         self._unshare()
 
     def _weights_loaded(self, module: nn.Module, incompatible: Any) -> None:
-        self._specializations = [s for s in self._specializations if s.stamp is None]
-        self._track_weights()
+        if self._watch.replaced():  # assign=True: graphs holding the old tensors are stale
+            self._retrack()
+        else:
+            self._specializations = [s for s in self._specializations if s.stamp is None]
+
+    def _retrack(self) -> None:
+        """Forget every graph; watch the tensors and attributes the module holds now."""
+        with self._lock:
+            self._specializations = []
+            self._parameters_list = list(self.module.parameters())
+            self._watch.refresh_tensors()
+            self._watch.refresh_attributes()
 
     def _find(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Specialization | None:
-        modes = current_modes(self.module, self._submodules)
+        modes = current_modes(self.module, self._submodules, self._parameters_list)
         for spec in self._specializations:
             if spec.signature is None or spec.signature.matches(args, kwargs, modes):
                 return spec
@@ -218,19 +279,45 @@ class OptimizedModule(nn.Module):
         # .to(), .half(), .cuda(): graphs may hold device- or dtype-specific constants, so
         # they are dropped and captured again on the next call.
         super()._apply(fn, recurse)
-        self._specializations.clear()
-        self._track_weights()  # moved buffers are new tensors
+        self._retrack()  # moved buffers are new tensors
         return self
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Graphs hold kernels bound to this process (packed weights, oneDNN handles): a saved
+        # module keeps the model, the options and the report, and captures again on load.
+        state = dict(self.__dict__)
+        state["_specializations"] = []
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # The watch's snapshot was copied with the module, so it names the copied tensors.
+        super().__setstate__(state)
+        self._lock = threading.RLock()
+
     def specialize(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> _Specialization:
-        """Capture, optimize and verify for this input signature; record it in ``report``."""
+        """Capture, optimize and verify for this input signature; record it in ``report``.
+
+        Capture, measuring and verification run on copies of the inputs (a forward may write
+        them) and leave the module's buffers, Python attributes and the global RNG as they
+        were; one thread at a time."""
         kwargs = dict(kwargs)
-        if len(self._specializations) >= self._config.max_specializations:
-            return self._eager_beyond_limit(args, kwargs)
-        if torch.is_grad_enabled() or any(m.training for m in self._submodules):
-            self._unshare()  # a training capture writes weights, a train-mode one statistics
+        with self._lock:
+            if len(self._specializations) >= self._config.max_specializations:
+                return self._eager_beyond_limit(args, kwargs)
+            if torch.is_grad_enabled() or any(m.training for m in self._submodules):
+                self._unshare()  # a training capture writes weights, a train-mode one stats
+            devices = [d.index for d in {t.device for t in self._watch.tensors}
+                       if d.type == "cuda" and d.index is not None]
+            with torch.random.fork_rng(devices=sorted(devices)):
+                spec = self._capture(*clone_inputs(args, kwargs))
+            self._specializations.append(spec)
+            self._watch.take_fingerprint()
+            return spec
+
+    def _capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Specialization:
         start = time.perf_counter()
-        before = self._weights_stamp()
+        before = self._watch.stamp()
         record = CaptureRecord(inputs=signature_of(args, kwargs, self.module).describe())
         self.report.captures.append(record)
         obstacles = self._probe(args, kwargs)
@@ -266,13 +353,13 @@ class OptimizedModule(nn.Module):
             self._unshare()  # Dynamo's module or eager: serves any later call, training too
         # Verification puts back the buffers it ran through (in place): autoopt's own writes
         # leave every graph that was current, current.
-        after = self._weights_stamp()
+        after = self._watch.stamp()
         for other in self._specializations:
             if other.stamp == before:
                 other.stamp = after
         if spec.method != "eager" and not torch.is_grad_enabled():
             spec.stamp = after
-        self._specializations.append(spec)
+            spec.writes_buffers = any(m.training for m in self._submodules)
         return spec
 
     def _eager_beyond_limit(self, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -294,7 +381,8 @@ class OptimizedModule(nn.Module):
         with preserved(self.module):
             before = python_state(self.module)
             try:
-                out = self.module(*args, **kwargs)
+                probe_args, probe_kwargs = clone_inputs(args, kwargs)
+                out = self.module(*probe_args, **probe_kwargs)
             except Exception as exc:
                 raise ModelError(f"the model raised {type(exc).__name__} when run eagerly on "
                                  f"the example inputs: {exc}. Check the inputs' number, shapes "
@@ -383,8 +471,8 @@ class OptimizedModule(nn.Module):
         record.nodes_before = len(gm.graph.nodes)
 
         device = _model_device(self.module) or torch.device("cpu")
-        training = torch.is_grad_enabled() and any(p.requires_grad
-                                                   for p in self.module.parameters())
+        # A gradient can flow to a parameter or an input: every op must keep its backward.
+        training = needs_gradients(args, kwargs, current_modes(self.module))
         ctx = PassContext(flat_inputs, device, training, self.cost_model,
                           dict(self._config.pass_options))
         optimized, records = run_pipeline(gm, self._config.passes, ctx,
@@ -412,21 +500,28 @@ class OptimizedModule(nn.Module):
     def _verify(self, candidate: Callable[..., Any], args: tuple[Any, ...],
                 kwargs: dict[str, Any], state: nn.Module | None = None,
                 reference: dict[Any, Any] | None = None) -> VerifyResult:
-        """Compare ``candidate`` with eager on the example and fresh inputs: outputs and the
-        buffers each leaves behind (BatchNorm statistics in training). ``reference`` memoizes
-        eager's results per input set across calls (each run starts from the same state and
-        seed, so they do not change)."""
+        """Compare ``candidate`` with eager on the example and fresh inputs: outputs, the
+        buffers each leaves behind (BatchNorm statistics in training), what each writes into
+        its inputs and, where a gradient can flow, the gradients of the inputs and parameters.
+        Each run gets its own copy of the inputs. ``reference`` memoizes eager's results per
+        input set across calls (each run starts from the same state and seed, so they do not
+        change)."""
         reference = {} if reference is None else reference
         module = self.module
         holders = [m for m in (module, state) if m is not None]
+        differentiable = needs_gradients(args, kwargs, current_modes(module))
 
         def run(fn: Callable[..., Any], owner: nn.Module, a: tuple[Any, ...],
                 k: dict[str, Any]) -> Any:
+            a, k = clone_inputs(a, k)
             with preserved(*holders):
                 torch.manual_seed(0)
                 out = fn(*a, **k)
                 leaves = {p: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
                           for p, v in _leaves(out, "output")}
+                leaves.update(_leaves((a, k), "inputs after the call"))
+                if differentiable:
+                    leaves.update(gradients(out, (a, k), module.named_parameters()))
                 buffers = {n: b.detach().clone() for n, b in owner.named_buffers()}
             return leaves, buffers
 

@@ -1,13 +1,18 @@
 """The input signature a captured graph is valid for.
 
 A graph bakes in what was constant at capture: the input structure, static shapes, dtypes,
-devices, non-tensor argument values, train/eval modes, grad mode. A call whose signature
-differs is re-captured (or runs eagerly), never replayed on a stale graph.
+devices, non-tensor argument values, train/eval modes, grad mode and, with gradients on,
+which inputs and parameters require them. A dynamic graph (``dynamic=True``) holds for the
+sizes ``torch.export`` proved it for: each symbolic dimension's range and every guard export
+recorded between them (``2*s0 <= s1``; the branch a size took). A call whose signature differs
+is re-captured (or runs eagerly), never replayed on a stale graph. Keyword arguments match in
+any order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,16 +21,22 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class TensorSpec:
     dtype: torch.dtype
     device: torch.device
     shape: tuple[int | None, ...]  # None where the graph is dynamic in that dimension
+    # With gradients on, whether the input required them (a graph captured for an input that
+    # did not may use kernels without a backward); None: captured without gradients.
+    requires_grad: bool | None = None
 
     def matches(self, t: torch.Tensor) -> bool:
         return (t.dtype == self.dtype and t.device == self.device and t.dim() == len(self.shape)
-                and all(s is None or s == d for s, d in zip(self.shape, t.shape, strict=True)))
+                and all(s is None or s == d for s, d in zip(self.shape, t.shape, strict=True))
+                and (self.requires_grad is None or t.requires_grad == self.requires_grad))
 
     def __str__(self) -> str:
         dims = ", ".join("?" if d is None else str(d) for d in self.shape)
@@ -39,12 +50,15 @@ class InputSignature:
     tree: pytree.TreeSpec
     leaves: tuple[Any, ...]  # TensorSpec for tensors, the value itself otherwise
     modes: tuple[bool, ...]
-    flat_keys: tuple[str, ...] | None = None  # kwargs names when no input is a container
+    flat_keys: tuple[str, ...] | None = None  # sorted kwargs names when no input is a container
+    shapes: SymbolicShapes | None = None  # what a dynamic graph assumes of its free sizes
 
     def matches(self, args: tuple[Any, ...], kwargs: Mapping[str, Any],
                 modes: tuple[bool, ...]) -> bool:
         if modes != self.modes:
             return False
+        if len(kwargs) > 1:
+            kwargs = _sorted(kwargs)
         leaves = _flat_leaves(args, kwargs) if self.flat_keys is not None else None
         if leaves is not None:
             # Fast path (no containers among the inputs): pytree's flatten costs more than a
@@ -61,7 +75,7 @@ class InputSignature:
                     return False
             elif isinstance(value, torch.Tensor) or not _same_value(spec, value):
                 return False
-        return True
+        return self.shapes is None or self.shapes.hold(leaves)
 
     def describe(self) -> str:
         parts = [str(s) if isinstance(s, TensorSpec) else repr(s) for s in self.leaves]
@@ -79,29 +93,76 @@ def _same_value(a: Any, b: Any) -> bool:
         return False
 
 
+def _sorted(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(sorted(kwargs.items()))
+
+
 def current_modes(module: nn.Module, submodules: list[nn.Module] | None = None,
-                  ) -> tuple[bool, ...]:
-    """Grad mode and every submodule's ``training`` flag. (A graph captured without grad runs
-    as well under ``inference_mode``; one captured with grad keeps parameter gradients.)"""
+                  parameters: list[torch.Tensor] | None = None) -> tuple[bool, ...]:
+    """Grad mode, with gradients on whether any parameter requires them, and every
+    submodule's ``training`` flag. (A graph captured without grad runs as well under
+    ``inference_mode``; one captured with grad keeps parameter gradients.)"""
     modules = module.modules() if submodules is None else submodules
-    return (torch.is_grad_enabled(), *(m.training for m in modules))
+    grad = torch.is_grad_enabled()
+    if grad:
+        params = module.parameters() if parameters is None else parameters
+        wants_grad = any(p.requires_grad for p in params)
+    else:
+        wants_grad = False
+    return (grad, wants_grad, *(m.training for m in modules))
+
+
+def needs_gradients(args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                    modes: tuple[bool, ...]) -> bool:
+    """Whether a call in these modes can be differentiated: gradients on, and a parameter or
+    an input requires them. Only then must a graph keep every op differentiable."""
+    if not modes[0]:
+        return False
+    return modes[1] or any(isinstance(x, torch.Tensor) and x.requires_grad
+                           for x in pytree.tree_leaves((tuple(args), dict(kwargs))))
 
 
 def signature_of(args: tuple[Any, ...], kwargs: Mapping[str, Any], module: nn.Module,
                  gm: GraphModule | None = None) -> InputSignature:
-    """The signature of these inputs; dimensions the graph ``gm`` keeps symbolic are free."""
-    leaves, tree = pytree.tree_flatten((tuple(args), dict(kwargs)))
-    dynamic = _dynamic_dims(gm, len(leaves)) if gm is not None else {}
+    """The signature of these inputs; dimensions the graph ``gm`` keeps symbolic are free,
+    within what export proved for them."""
+    shapes = None
+    if gm is not None:  # the graph's placeholders follow the keywords' order at capture
+        try:
+            shapes = SymbolicShapes.of(gm, pytree.tree_leaves((tuple(args), dict(kwargs))))
+        except Exception as exc:  # noqa: BLE001 - unreadable guards: fixed sizes are safe
+            log.info("dynamic shape guards not readable (%s); the graph is used at the "
+                     "example's sizes only", exc)
+    order = _sorted(kwargs)
+    if shapes is not None and list(order) != list(kwargs):
+        shapes = shapes.reindexed(_permutation((tuple(args), dict(kwargs)), (tuple(args), order)))
+    kwargs = order
+    leaves, tree = pytree.tree_flatten((tuple(args), kwargs))
+    free = shapes.free if shapes is not None else {}
+    grad = torch.is_grad_enabled()
     specs: list[Any] = []
     for i, value in enumerate(leaves):
         if isinstance(value, torch.Tensor):
-            free = dynamic.get(i, set())
-            shape = tuple(None if d in free else int(s) for d, s in enumerate(value.shape))
-            specs.append(TensorSpec(value.dtype, value.device, shape))
+            dims = free.get(i, set())
+            shape = tuple(None if d in dims else int(s) for d, s in enumerate(value.shape))
+            specs.append(TensorSpec(value.dtype, value.device, shape,
+                                    value.requires_grad if grad else None))
         else:
             specs.append(value)
     flat_keys = tuple(kwargs) if _flat_leaves(args, kwargs) is not None else None
-    return InputSignature(tree, tuple(specs), current_modes(module), flat_keys)
+    return InputSignature(tree, tuple(specs), current_modes(module), flat_keys, shapes)
+
+
+def _permutation(before: Any, after: Any) -> list[int]:
+    """Where each leaf of ``before`` is among the leaves of ``after`` (the same objects)."""
+    old, new = pytree.tree_leaves(before), pytree.tree_leaves(after)
+    taken: set[int] = set()
+    index = []
+    for value in old:
+        j = next(j for j, other in enumerate(new) if other is value and j not in taken)
+        taken.add(j)
+        index.append(j)
+    return index
 
 
 def _flat_leaves(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any] | None:
@@ -115,15 +176,130 @@ def _flat_leaves(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any] 
     return leaves
 
 
-def _dynamic_dims(gm: GraphModule, n_leaves: int) -> dict[int, set[int]]:
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != n_leaves:
-        return {}
-    dims: dict[int, set[int]] = {}
-    for i, node in enumerate(placeholders):
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            free = {d for d, s in enumerate(val.shape) if not isinstance(s, int)}
-            if free:
-                dims[i] = free
-    return dims
+@dataclass(frozen=True)
+class SymbolicShapes:
+    """What a dynamic graph assumes of the sizes it keeps symbolic: each symbol's range, that
+    a symbol seen in several places has one value, that derived sizes (``2*s0``) agree, and
+    every guard export recorded (its shape environment's ``guards``).
+
+    Args:
+        free: leaf index -> the dimensions that may vary.
+        where: (leaf, dim, symbol name) for each free dimension bound to a plain symbol.
+        derived: (leaf, dim, size from the symbols) for each free dimension that is an
+            expression of them.
+        checks: ``fn(sizes) -> bool`` over the symbols' values, by name.
+    """
+
+    free: dict[int, set[int]]
+    where: tuple[tuple[int, int, str], ...]
+    derived: tuple[tuple[int, int, Callable[[dict[str, int]], int]], ...]
+    checks: tuple[Callable[[dict[str, int]], bool], ...]
+
+    def hold(self, leaves: list[Any]) -> bool:
+        sizes: dict[str, int] = {}
+        for leaf, dim, name in self.where:
+            size = leaves[leaf].shape[dim]
+            if sizes.setdefault(name, size) != size:
+                return False
+        try:
+            return (all(int(fn(sizes)) == leaves[leaf].shape[dim]
+                        for leaf, dim, fn in self.derived)
+                    and all(check(sizes) for check in self.checks))
+        except Exception:  # noqa: BLE001 - a guard that cannot be evaluated does not hold
+            return False
+
+    def reindexed(self, new_index: list[int]) -> SymbolicShapes:
+        """The same assumptions with leaf ``i`` renumbered ``new_index[i]``."""
+        return SymbolicShapes({new_index[i]: dims for i, dims in self.free.items()},
+                              tuple((new_index[i], d, n) for i, d, n in self.where),
+                              tuple((new_index[i], d, fn) for i, d, fn in self.derived),
+                              self.checks)
+
+    @classmethod
+    def of(cls, gm: GraphModule, leaves: list[Any]) -> SymbolicShapes | None:
+        """None when ``gm`` is static. A graph whose guards cannot be read (symbols bound to
+        no input dimension) is treated as static: fixed sizes are always safe."""
+        import sympy
+
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(leaves):
+            return None
+        free: dict[int, set[int]] = {}
+        where: list[tuple[int, int, str]] = []
+        derived: list[tuple[int, int, Any]] = []
+        env = None
+        for i, node in enumerate(placeholders):
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                continue
+            for d, size in enumerate(val.shape):
+                if not isinstance(size, torch.SymInt):
+                    continue
+                expr = size.node.expr
+                if expr.is_number:  # specialized to a constant: a static dimension
+                    continue
+                env = size.node.shape_env
+                free.setdefault(i, set()).add(d)
+                if isinstance(expr, sympy.Symbol):
+                    where.append((i, d, expr.name))
+                else:
+                    derived.append((i, d, expr))
+        if not free or env is None:
+            return None
+        bound = {name for _, _, name in where}
+        checks: list[Callable[[dict[str, int]], bool]] = []
+        # torch.export's own ranges where it gave them (a Dim(min=1) holds at 1, where the
+        # shape environment assumed >= 2 while tracing), else the shape environment's.
+        proved = {str(sym): vr for sym, vr in gm.meta.get("range_constraints", {}).items()}
+        for _, _, name in where:
+            vr = proved.get(name) or _range_by_name(env, name)
+            if vr is not None:
+                checks.append(_range_check(name, vr))
+        sized: list[tuple[int, int, Callable[[dict[str, int]], int]]] = []
+        for leaf, dim, expr in derived:
+            if not {s.name for s in expr.free_symbols} <= bound:
+                return None
+            sized.append((leaf, dim, _compile(expr)))
+        for guard in env.guards:
+            expr = guard.expr.xreplace(env.replacements)
+            if expr is sympy.true or expr == sympy.true:
+                continue
+            if not {s.name for s in expr.free_symbols} <= bound:
+                return None
+            checks.append(_compile_bool(expr))
+        return cls(free, tuple(where), tuple(sized), tuple(checks))
+
+
+def _range_by_name(env: Any, name: str) -> Any:
+    for sym, vr in env.var_to_range.items():
+        if sym.name == name:
+            return vr
+    return None
+
+
+def _range_check(name: str, vr: Any) -> Callable[[dict[str, int]], bool]:
+    def bound(value: Any) -> int | None:
+        if not isinstance(value, int) and not getattr(value, "is_Integer", False):
+            return None  # int_oo / -int_oo: unbounded
+        return int(value)
+
+    lo, hi = bound(vr.lower), bound(vr.upper)
+    return lambda sizes: ((lo is None or sizes[name] >= lo)
+                          and (hi is None or sizes[name] <= hi))
+
+
+def _compile(expr: Any) -> Callable[[dict[str, int]], int]:
+    import sympy
+
+    names = sorted(s.name for s in expr.free_symbols)
+    fn = sympy.lambdify([sympy.Symbol(n) for n in names],
+                        expr.xreplace({s: sympy.Symbol(s.name) for s in expr.free_symbols}),
+                        modules=["math", {"FloorDiv": lambda a, b: a // b,
+                                          "Mod": lambda a, b: a % b}])
+    return lambda sizes: fn(*(sizes[n] for n in names))
+
+
+def _compile_bool(expr: Any) -> Callable[[dict[str, int]], bool]:
+    fn = _compile(expr)
+    return lambda sizes: bool(fn(sizes))
+

@@ -249,3 +249,46 @@ def check_all(run_pair: Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, A
             which = "example inputs" if i == 0 else f"random input set {i}"
             return VerifyResult(False, max_abs, max_rel, i + 1, f"on the {which}: {result.detail}")
     return VerifyResult(True, max_abs, max_rel, len(sets))
+
+
+def clone_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A private copy of every input tensor (parameters excepted), each a leaf that requires
+    grad where the original did: a forward may write its inputs, and no run of autoopt's may
+    write the user's."""
+    def copy(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or isinstance(x, torch.nn.Parameter):
+            return x
+        clone = x.detach().clone()
+        return clone.requires_grad_() if x.requires_grad and clone.is_floating_point() else clone
+
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(copy, (tuple(args), dict(kwargs)))
+
+
+# Fixed upstream gradients for the backward check: random, so that a gradient summed the wrong
+# way or routed to the wrong input cannot match by symmetry.
+_GRAD_SEED = 20_241_201
+
+
+def gradients(outputs: Any, inputs: Any,
+              parameters: Iterator[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """The gradients of the floating outputs (weighted by fixed random tensors) with respect
+    to every input and parameter that requires grad, by name; None where none reaches it (a
+    lost gradient shows as None against eager's tensor). ``.grad`` fields are not touched."""
+    outs = [v for _, v in _leaves(outputs, "output") if isinstance(v, torch.Tensor)
+            and v.requires_grad and (v.is_floating_point() or v.is_complex())]
+    named = [(p, v) for p, v in _leaves(inputs, "input") if isinstance(v, torch.Tensor)
+             and v.requires_grad]
+    named += [(f"parameter {n}", p) for n, p in parameters if p.requires_grad]
+    if not named:
+        return {}
+    if not outs:
+        return {f"grad of {n}": None for n, _ in named}
+    generator = torch.Generator().manual_seed(_GRAD_SEED)
+    weights = [torch.randn(o.shape, generator=generator, dtype=torch.float64).to(o)
+               for o in outs]
+    grads = torch.autograd.grad(outs, [v for _, v in named], weights, allow_unused=True)
+    return {f"grad of {n}": (g.detach().clone() if g is not None else None)
+            for (n, _), g in zip(named, grads, strict=True)}

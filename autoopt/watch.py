@@ -1,0 +1,173 @@
+"""What a captured graph assumes about the module beyond its inputs, checked on every call.
+
+A whole graph (export, symbolic_trace) bakes in more than the input signature:
+
+- **which tensors** are the parameters and buffers: an export graph holds its own references,
+  so ``load_state_dict(assign=True)``, ``module.weight = Parameter(...)`` or
+  ``torch.func.functional_call`` (which swaps tensors in for one call) are invisible to it;
+- **their values**, for inference graphs whose folded, merged or packed constants are copies:
+  in-place writes bump version counters, but writes through ``.data`` (old EMA and init code)
+  and ``p.data = other`` do not, so a sampled fingerprint of each tensor's memory is kept too;
+- **Python attributes** read while tracing (``self.scale``, ``config.output_attentions``):
+  the graph replays the value it saw.
+
+``ModuleWatch`` keeps a snapshot of all three and answers, cheaply enough to ask on every call
+(tens of microseconds for a few hundred tensors), whether it still holds.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .cost_model.isolation import _MODULE_INTERNALS
+
+# How many parameters and buffers have been assigned to any module (``module.weight =
+# Parameter(...)``, ``register_buffer``, ``load_state_dict(assign=True)``) in this process.
+# ``torch.func.functional_call`` swaps tensors into the slots without assigning, for one call:
+# a replaced slot with no assignment since the snapshot is such a temporary swap.
+_assignments = 0
+
+
+def _count_assignment(module: nn.Module, name: str, value: Any) -> None:
+    global _assignments
+    _assignments += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_assignment)
+torch.nn.modules.module.register_module_buffer_registration_hook(_count_assignment)
+
+_SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+_SAMPLES = 8  # elements of each tensor's memory in the fingerprint
+
+
+def _is_scalar(value: Any) -> bool:
+    if isinstance(value, _SCALARS):
+        return True
+    return isinstance(value, tuple) and len(value) <= 8 and all(
+        isinstance(v, _SCALARS) for v in value)
+
+
+class ModuleWatch:
+    """A snapshot of a module's tensors (identity, version, sampled contents) and of the plain
+    Python values its submodules (and objects they hold, such as a ``config``) carry."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.refresh_tensors()
+        self.refresh_attributes()
+
+    # --- tensors -----------------------------------------------------------------------------
+
+    def refresh_tensors(self) -> None:
+        slots: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+        tensors: dict[int, torch.Tensor] = {}
+        for m in self.module.modules():
+            for table in (m._parameters, m._buffers):
+                for name, t in table.items():
+                    if t is not None:
+                        slots.append((table, name, t))
+                        tensors.setdefault(id(t), t)
+        self._slots = slots
+        self._assignments = _assignments
+        # Inference tensors have no version counter and cannot be written outside
+        # inference mode; the rest can.
+        self.tensors = [t for t in tensors.values() if not t.is_inference()]
+        self._fingerprint: tuple[list[int], list[torch.Tensor]] | None = None
+
+    def replaced(self) -> bool:
+        """Whether any parameter or buffer slot now holds another tensor than at the snapshot
+        (``assign=True`` loads, attribute assignment, ``functional_call``)."""
+        return any(table.get(name) is not t for table, name, t in self._slots)
+
+    def reassigned(self) -> bool:
+        """Whether a parameter or buffer was assigned anywhere since the snapshot: a replaced
+        slot is then the module's new state, not a swap for one call."""
+        return _assignments != self._assignments
+
+    def stamp(self) -> int:
+        """Grows with every in-place write to a tracked tensor: version counters only grow."""
+        return sum(t._version for t in self.tensors)
+
+    def take_fingerprint(self) -> None:
+        """Remember where each tensor's memory is and a few of its elements."""
+        self._fingerprint = (self._pointers(), self._sample())
+
+    def fingerprint_changed(self) -> bool:
+        """Whether memory was swapped (``p.data = other``) or written without a version bump
+        (``p.data.mul_(0.5)``) since ``take_fingerprint``. Sampled: a write that misses every
+        sampled element is seen only through the version counter."""
+        if self._fingerprint is None:
+            return False
+        pointers, samples = self._fingerprint
+        if self._pointers() != pointers:
+            return True
+        return any(not torch.equal(a, b) for a, b in zip(self._sample(), samples, strict=True))
+
+    def _pointers(self) -> list[int]:
+        return [t.data_ptr() for t in self.tensors]
+
+    def _sample(self) -> list[torch.Tensor]:
+        """Sampled elements grouped by dtype, one concatenation per group, read as integers
+        so that NaN weights compare equal to themselves."""
+        groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in self.tensors:
+            if t.is_meta or t.numel() == 0 or t.layout != torch.strided:
+                continue
+            span = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+            count = min(_SAMPLES, span)
+            step = max(1, span // count) if count else 1
+            view = torch.as_strided(t.detach(), (count,), (step,), t.storage_offset())
+            groups.setdefault(t.dtype, []).append(view)
+        out = []
+        for dtype, views in groups.items():
+            flat = torch.cat(views)
+            bits = _SAME_WIDTH_INT.get(dtype)
+            out.append(flat.view(bits) if bits is not None else flat)
+        return out
+
+    # --- Python attributes -------------------------------------------------------------------
+
+    def refresh_attributes(self) -> None:
+        getters: list[tuple[dict[str, Any], Callable[[dict[str, Any]], Any], Any]] = []
+        seen: set[int] = set()
+
+        def watch(namespace: dict[str, Any], keys: list[str]) -> None:
+            if keys:
+                get = operator.itemgetter(*keys)
+                getters.append((namespace, get, get(namespace)))
+
+        for m in self.module.modules():
+            keys = []
+            for key, value in vars(m).items():
+                if key in _MODULE_INTERNALS or key.startswith("__"):
+                    continue
+                if _is_scalar(value):
+                    keys.append(key)
+                elif (hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type))
+                      and not callable(value) and id(value) not in seen):
+                    # An object the module reads settings from (a transformers config).
+                    seen.add(id(value))
+                    watch(vars(value), [k for k, v in vars(value).items()
+                                        if not k.startswith("__") and _is_scalar(v)])
+            watch(m.__dict__, keys)
+        self._getters = getters
+
+    def attributes_changed(self) -> bool:
+        """Whether a watched plain value was re-assigned or deleted since the snapshot."""
+        for namespace, get, saved in self._getters:
+            try:
+                now = get(namespace)
+            except KeyError:
+                return True
+            if now is not saved and now != saved:
+                return True
+        return False
+
+
+_SAME_WIDTH_INT = {torch.float32: torch.int32, torch.float64: torch.int64,
+                   torch.float16: torch.int16, torch.bfloat16: torch.int16}

@@ -1,0 +1,288 @@
+"""Never a wrong answer: what a captured graph assumes is guarded, checked or put back.
+
+Each test is a reproduction from issue 22 that returned a wrong result without an error: a
+gradient lost through a lowered kernel, a dynamic graph replayed outside the sizes export
+proved it for, weights replaced or edited where no version counter sees it, a Python attribute
+the graph baked in, a forward that writes its input, ``functional_call``, concurrent calls.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+import autoopt
+from autoopt.passes import PassContext, PassResult
+from autoopt.passes.packed_linear import available as mkl_available
+
+aten = torch.ops.aten
+# Pin the measured choice: the lowering applies wherever it can, whatever this CPU measures.
+ALWAYS_LOWER = {"packed_linear": {"measure": False}, "onednn_conv": {"measure": False}}
+
+
+def frozen_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10)).eval().requires_grad_(
+        False)
+
+
+# --- gradients -------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not mkl_available(torch.device("cpu")), reason="no MKL packed linear here")
+def test_input_gradient_through_a_frozen_model_is_not_lost() -> None:
+    """Saliency maps and adversarial inputs: no parameter requires grad, the input does."""
+    model = frozen_mlp()
+    x = torch.randn(4, 32)
+    fast = autoopt.optimize(model, (x,), pass_options=ALWAYS_LOWER)
+    mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    fast(mine).sum().backward()
+    model(theirs).sum().backward()
+    assert mine.grad is not None
+    torch.testing.assert_close(mine.grad, theirs.grad)
+
+
+@pytest.mark.skipif(not mkl_available(torch.device("cpu")), reason="no MKL packed linear here")
+def test_unfreezing_after_a_frozen_capture_trains_the_parameters() -> None:
+    model = frozen_mlp()
+    x = torch.randn(4, 32)
+    fast = autoopt.optimize(model, (x,), pass_options=ALWAYS_LOWER)
+    fast(x).sum()  # with gradients on but nothing to differentiate: lowered kernels are fine
+    fast.requires_grad_(True)
+    fast(x).sum().backward()
+    assert all(p.grad is not None for p in fast.parameters())
+    reference = copy.deepcopy(model).requires_grad_(True)
+    reference(x).sum().backward()
+    for mine, theirs in zip(fast.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad)
+
+
+def _detach_first_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
+    """A broken pass: the same forward, but no gradient flows through the first linear."""
+    for node in gm.graph.nodes:
+        if node.target is aten.linear.default:
+            with gm.graph.inserting_after(node):
+                cut = gm.graph.call_function(aten.detach.default, (node,))
+            node.replace_all_uses_with(cut, delete_user_cb=lambda user: user is not cut)
+            return PassResult(gm, True, {"detached": 1})
+    return PassResult(gm, False)
+
+
+def test_verification_compares_gradients_and_rolls_back_a_pass_that_loses_them() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).train()
+    x = torch.randn(3, 8)
+    fast = autoopt.optimize(model, (x,), pipeline=(("detach", _detach_first_linear),))
+    (record,) = fast.report.captures[0].passes
+    assert record.status == "rolled_back" and "grad of parameter 0.weight" in record.reason
+    fast(x).sum().backward()
+    assert fast.module[0].weight.grad is not None
+
+
+# --- shapes ----------------------------------------------------------------------------------
+
+
+class BranchOnBatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l(x) * 2 if x.shape[0] > 4 else self.l(x)
+
+
+@torch.no_grad()
+def test_a_dynamic_graph_is_not_replayed_outside_the_range_export_proved() -> None:
+    model = BranchOnBatch().eval()
+    fast = autoopt.optimize(model, (torch.randn(3, 8),), dynamic=True)
+    for batch in (2, 4, 5, 8, 3):
+        x = torch.randn(batch, 8)
+        torch.testing.assert_close(fast(x), model(x))
+    # One graph for batches 2-4, one for the other branch (or the other sizes).
+    assert 2 <= len(fast.report.captures) <= 3
+
+
+class Strided(nn.Module):
+    """A size relation: the graph is valid only where ``2 * x.size(0) <= y.size(0)``."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x + y[: x.shape[0] * 2 : 2]
+
+
+@torch.no_grad()
+def test_a_dynamic_graph_checks_relations_between_sizes() -> None:
+    model = Strided().eval()
+    fast = autoopt.optimize(model, (torch.randn(3, 4), torch.randn(6, 4)), dynamic=True)
+    x, y = torch.randn(5, 4), torch.randn(12, 4)
+    torch.testing.assert_close(fast(x, y), model(x, y))
+    assert len(fast.report.captures) == 1  # within what export proved: one graph
+    with pytest.raises(Exception, match="size"):  # eager raises too: 3 rows from 4
+        fast(torch.randn(3, 4), torch.randn(4, 4))
+
+
+@torch.no_grad()
+def test_keyword_arguments_in_another_order_reuse_the_graph() -> None:
+    class AddScaled(nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return a + 2 * b
+
+    fast = autoopt.optimize(AddScaled().eval(), (), {"a": torch.randn(3), "b": torch.randn(3)})
+    a, b = torch.randn(3), torch.randn(3)
+    torch.testing.assert_close(fast(b=b, a=a), a + 2 * b)
+    assert len(fast.report.captures) == 1
+
+
+# --- the module's state ----------------------------------------------------------------------
+
+
+def test_load_state_dict_with_assign_reaches_a_training_graph() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).train()
+    x = torch.randn(4, 8)
+    fast = autoopt.optimize(model, (x,))
+    fast(x).sum().backward()
+    new = {k: torch.randn_like(v) for k, v in fast.module.state_dict().items()}
+    fast.module.load_state_dict(new, assign=True)
+    reference = copy.deepcopy(model)
+    reference.load_state_dict(new)
+    out = fast(x)
+    torch.testing.assert_close(out, reference(x))
+    out.sum().backward()
+    assert all(p.grad is not None for p in fast.parameters())
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("edit", ["weight", "statistic", "swap"])
+def test_edits_through_data_reach_folded_constants(edit: str) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4)).eval()
+    x = torch.randn(4, 8)
+    fast = autoopt.optimize(model, (x,))
+    fast(x)
+    if edit == "weight":  # old EMA and init code: no version counter sees it
+        fast.module[0].weight.data.mul_(0.5)
+    elif edit == "statistic":
+        fast.module[1].running_var.data.mul_(3)
+    else:
+        fast.module[0].weight.data = torch.randn(8, 8)
+    torch.testing.assert_close(fast(x), copy.deepcopy(fast.module)(x))
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+        self.scale = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l(x) * self.scale
+
+
+@torch.no_grad()
+def test_a_python_attribute_changed_after_capture_is_not_replayed() -> None:
+    fast = autoopt.optimize(Scaled().eval(), (x := torch.randn(3, 8),))
+    fast(x)
+    fast.module.scale = 3.0
+    torch.testing.assert_close(fast(x), fast.module.l(x) * 3.0)
+
+
+class WritesInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return torch.tanh(self.fc(x))
+
+
+@torch.no_grad()
+def test_a_forward_that_writes_its_input_writes_it_once_and_optimize_leaves_yours() -> None:
+    model = WritesInput().eval()
+    example = torch.randn(3, 8)
+    kept = example.clone()
+    fast = autoopt.optimize(model, (example,))
+    assert torch.equal(example, kept)  # optimize ran the model many times, on copies
+    mine, theirs = kept.clone(), kept.clone()
+    torch.testing.assert_close(fast(mine), model(theirs))
+    torch.testing.assert_close(mine, theirs)  # the caller's input is written, as eager does
+
+
+def test_functional_call_uses_the_parameters_it_is_given() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    x = torch.randn(3, 8)
+    fast = autoopt.optimize(model, (x,))
+    params = {k: torch.randn_like(v) for k, v in fast.named_parameters()}
+    with torch.no_grad():
+        out = torch.func.functional_call(fast, params, (x,))
+        plain = {k.removeprefix("module."): v for k, v in params.items()}
+        torch.testing.assert_close(out, torch.func.functional_call(model, plain, (x,)))
+        torch.testing.assert_close(fast(x), model(x))  # the module's own weights afterwards
+    grads = torch.func.grad(lambda p: torch.func.functional_call(fast, p, (x,)).sum())(params)
+    expected = torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).sum())(plain)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, expected[name.removeprefix("module.")])
+    assert all(p.grad is None for p in fast.parameters())
+
+
+@torch.no_grad()
+def test_a_train_mode_model_under_no_grad_is_captured_once() -> None:
+    """BatchNorm recalibration (swa_utils.update_bn): the graph's own statistic updates leave
+    it current."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU()).train()
+    fast = autoopt.optimize(model, (torch.randn(4, 8),), training=False)
+    reference = copy.deepcopy(model)
+    for _ in range(5):
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(fast(x), reference(x))
+    torch.testing.assert_close(fast.module[1].running_mean, reference[1].running_mean)
+    assert len(fast.report.captures) == 1
+
+
+def test_optimize_leaves_the_global_rng_where_it_was() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)).eval()
+    torch.manual_seed(1)
+    x = torch.randn(4, 8)
+    autoopt.optimize(model, (x,))
+    after = torch.rand(3)
+    torch.manual_seed(1)
+    torch.randn(4, 8)
+    torch.testing.assert_close(after, torch.rand(3), rtol=0, atol=0)
+
+
+def test_pickle_round_trip_captures_again() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    fast = autoopt.optimize(model, (x,), pass_options=ALWAYS_LOWER)
+    loaded = pickle.loads(pickle.dumps(fast))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x))
+    assert len(loaded.report.captures) == len(fast.report.captures) + 1
+
+
+# --- threads ---------------------------------------------------------------------------------
+
+
+def test_concurrent_calls_with_new_shapes_give_eager_results() -> None:
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    fast = autoopt.optimize(model, (torch.randn(2, 16),))
+    errors: list[str] = []
+
+    def work(batch: int) -> None:
+        try:
+            for k in range(3):
+                x = torch.randn(batch + k, 16)
+                with torch.no_grad():
+                    torch.testing.assert_close(fast(x), model(x))
+        except Exception as exc:  # noqa: BLE001 - reported below with the thread's input
+            errors.append(f"batch {batch}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=work, args=(b,)) for b in (2, 3, 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert torch.ones(2).sum().item() == 2.0  # no fake mode left behind in this thread
