@@ -68,7 +68,7 @@ def _detach_first_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
         if node.target is aten.linear.default:
             with gm.graph.inserting_after(node):
                 cut = gm.graph.call_function(aten.detach.default, (node,))
-            node.replace_all_uses_with(cut, delete_user_cb=lambda user: user is not cut)
+            node.replace_all_uses_with(cut, delete_user_cb=lambda user, cut=cut: user is not cut)
             return PassResult(gm, True, {"detached": 1})
     return PassResult(gm, False)
 
