@@ -179,8 +179,10 @@ def eviction_bytes(dev: torch.device) -> int:
 def measure_ceilings(dev: torch.device) -> Ceilings:
     """Measure matmul FLOP/s, copy bandwidth and per-op overhead on ``dev`` (about a second)."""
     n = 2048 if dev.type == "cuda" else 512
-    a = torch.randn(n, n, device=dev)
-    b = torch.randn(n, n, device=dev)
+    # A generator of its own: measuring must not move the global RNG a model's dropout draws.
+    generator = torch.Generator(dev).manual_seed(0)
+    a = torch.randn(n, n, device=dev, generator=generator)
+    b = torch.randn(n, n, device=dev, generator=generator)
     matmul = 2 * n**3 / median_seconds(lambda i: torch.mm(a, b), dev, repeats=5)
     half_dtype = torch.float16 if dev.type == "cuda" else torch.bfloat16
     try:
@@ -189,7 +191,7 @@ def measure_ceilings(dev: torch.device) -> Ceilings:
     except RuntimeError:
         half = 0.0
     numel = (256 if dev.type == "cuda" else 32) * 2**20 // 4
-    src = torch.randn(numel, device=dev)
+    src = torch.randn(numel, device=dev, generator=generator)
     dst = torch.empty_like(src)
     bandwidth = 2 * src.nbytes / median_seconds(lambda i: dst.copy_(src), dev, repeats=5)
     tiny_a, tiny_b = torch.ones(1, device=dev), torch.ones(1, device=dev)

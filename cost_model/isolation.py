@@ -2,20 +2,23 @@
 
 Every run autoopt makes of a user's model or graph outside the user's own call (verification,
 the cost model's profiling, the precision pass's error measurement, pipeline planning) goes
-through ``preserved``, so BatchNorm statistics, counters, Python attributes and the RNG are
-exactly as they were afterwards. It lives here, in the lowest layer, so that passes and the
-cost model can use the same mechanism as the driver.
+through ``preserved``, so BatchNorm statistics, counters, Python attributes, the inputs and
+the RNG are exactly as they were afterwards; graph runs also take copies of the inputs the graph
+writes in place (``unwritten_inputs``), so the caller's tensors are not even written. It lives
+here, in the lowest layer, so that passes and the cost model can use the same mechanism as the
+driver.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 # Attributes nn.Module keeps for itself; everything else in a module's __dict__ is user state.
 _MODULE_INTERNALS = frozenset({
@@ -49,38 +52,82 @@ def _freeze(value: Any, depth: int = 0) -> Any:
 
 
 @contextlib.contextmanager
-def preserved(*modules: nn.Module) -> Iterator[None]:
-    """Undo, on exit, what running the modules changes: buffers, Python attributes, RNG.
+def preserved(*state: Any) -> Iterator[None]:
+    """Undo, on exit, what a run with ``state`` changes: buffers, Python attributes, the
+    tensors it was given, and the RNG.
 
-    Buffers are restored in place so that graphs holding them keep seeing the same tensors.
+    Args:
+        state: modules (their buffers and Python attributes are put back) and tensors, or
+            containers of them (the inputs of the run, which a forward may write in place).
+
+    Tensors are restored in place, so graphs and callers holding them keep seeing the same
+    objects; one whose value and version counter did not change is not written at all, so an
+    autograd graph that saved it still accepts it. The RNG of the CPU and of every CUDA device
+    the state is on is restored.
+
+    Example:
+        >>> with preserved(model, (x,)):
+        ...     cost.profile(gm, [x])
     """
-    buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    tensors: dict[int, tuple[torch.Tensor, torch.Tensor, int | None]] = {}
     attributes: list[tuple[nn.Module, str, Any, Any]] = []
+    devices: set[int] = set()
     seen: set[int] = set()
-    for module in modules:
-        for b in module.buffers():
-            buffers.setdefault(id(b), (b, b.detach().clone()))
-        for m in module.modules():
+
+    def keep(t: torch.Tensor) -> None:
+        if t.device.type == "cuda":
+            devices.add(t.device.index if t.device.index is not None
+                        else torch.cuda.current_device())
+        if id(t) not in tensors and not t.is_meta:
+            tensors[id(t)] = (t, t.detach().clone(), _version(t))
+
+    for item in state:
+        if not isinstance(item, nn.Module):
+            for leaf in pytree.tree_leaves(item):
+                if isinstance(leaf, torch.Tensor):
+                    keep(leaf)
+            continue
+        for b in item.buffers():
+            keep(b)
+        for p in item.parameters():  # not restored (a run does not train), but its RNG is
+            if p.device.type == "cuda":
+                devices.add(p.device.index if p.device.index is not None
+                            else torch.cuda.current_device())
+        for m in item.modules():
             if id(m) in seen:
                 continue
             seen.add(id(m))
             for key, value in vars(m).items():
                 if key not in _MODULE_INTERNALS and not isinstance(value, nn.Module):
                     attributes.append((m, key, _freeze(value), _copy_attribute(value)))
-    devices = sorted({b.device.index for b, _ in buffers.values()
-                      if b.device.type == "cuda" and b.device.index is not None})
     try:
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=sorted(devices)):
             yield
     finally:
         with torch.no_grad():
-            for tensor, saved in buffers.values():
-                if tensor.shape == saved.shape:
+            for tensor, saved, version in tensors.values():
+                if tensor.shape == saved.shape and (_version(tensor) != version
+                                                    or not _same(tensor, saved)):
                     tensor.copy_(saved)
         # Only what changed is put back, so untouched attributes keep their identity.
         for m, key, frozen, value in attributes:
             if key not in m.__dict__ or _freeze(m.__dict__[key]) != frozen:
                 m.__dict__[key] = value
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors keep no version counter
+        return None
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal (so a NaN equals itself and -0.0 differs from 0.0)."""
+    try:
+        return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+    except RuntimeError:  # a layout without a byte view (sparse, say): assume it changed
+        return False
 
 
 def _copy_attribute(value: Any) -> Any:
@@ -92,3 +139,51 @@ def _copy_attribute(value: Any) -> Any:
         return copy.deepcopy(value)
     except Exception:  # noqa: BLE001 - an uncopyable container is restored by reference
         return value
+
+
+# Ops that update running statistics (arguments 3 and 4) when their ``training`` argument (5)
+# is true, though their schema does not say so.
+_RUNNING_STATS_OPS = (torch.ops.aten.batch_norm.default, torch.ops.aten.native_batch_norm.default,
+                      torch.ops.aten._native_batch_norm_legit.default,
+                      torch.ops.aten.instance_norm.default)
+
+
+def written_arguments(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The arguments a call of ``target`` writes in place: what its schema marks written, and
+    the running statistics a normalization in training mode updates.
+
+    Works on values and on FX nodes alike (it returns the arguments it was given).
+    """
+    written: list[Any] = []
+    if target in _RUNNING_STATS_OPS and len(args) > 5 and args[5]:
+        written += args[3:5]
+    schema = getattr(target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        for i, argument in enumerate(schema.arguments):
+            alias = argument.alias_info
+            if alias is not None and alias.is_write:
+                written.append(args[i] if i < len(args) else kwargs.get(argument.name))
+    return [w for w in written if w is not None]
+
+
+def written_placeholders(gm: nn.Module) -> list[int]:
+    """Positions of a graph's inputs that an op in it writes in place (none known for a module
+    that is not a ``GraphModule``)."""
+    graph = getattr(gm, "graph", None)
+    if graph is None:
+        return []
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    written: set[int] = set()
+    for node in graph.nodes:
+        if node.op == "call_function":
+            targets = written_arguments(node.target, node.args, node.kwargs)
+            written.update(placeholders.index(t) for t in targets if t in placeholders)
+    return sorted(written)
+
+
+def unwritten_inputs(gm: nn.Module, inputs: Sequence[Any]) -> list[Any]:
+    """``inputs``, with copies in place of those ``gm`` writes: a measuring run then leaves the
+    caller's tensors unwritten, version counters included."""
+    written = set(written_placeholders(gm))
+    return [x.detach().clone() if i in written and isinstance(x, torch.Tensor) else x
+            for i, x in enumerate(inputs)]

@@ -31,6 +31,7 @@ from .estimate import (
     tensor_bytes,
     value_spec,
 )
+from .isolation import preserved, unwritten_inputs, written_arguments
 from .timing import median_seconds, timed
 
 log = logging.getLogger(__name__)
@@ -199,11 +200,16 @@ class CostModel:
         model it finds its input where its producer left it, which is what a pipeline stage's
         time adds up (``NodeCost.stage_s``). Those figures hold for this graph only and are not
         cached.
+
+        The runs leave no trace: the graph's buffers (BatchNorm statistics, counters) and the
+        RNG are as they were before, and inputs the graph writes in place are copied first.
         """
-        inputs = list(example_inputs) if example_inputs is not None else _random_inputs(gm)
-        profiler = _NodeProfiler(gm, self, training)
-        with torch.no_grad() if not training else contextlib.nullcontext():
-            profiler.run(*inputs)
+        with preserved(gm, example_inputs):
+            inputs = (unwritten_inputs(gm, example_inputs) if example_inputs is not None
+                      else _random_inputs(gm))
+            profiler = _NodeProfiler(gm, self, training)
+            with torch.no_grad() if not training else contextlib.nullcontext():
+                profiler.run(*inputs)
         self.cache.put_many(profiler.new_entries)
         self._fit_calibration(profiler.costs, gm)
         costs = [profiler.costs.get(n.name) or self.estimate(n, gm) for n in gm.graph.nodes]
@@ -219,7 +225,8 @@ class CostModel:
         it runs in order: between clock reads (and device syncs) on a CPU, as its share of
         the stream's timeline on CUDA."""
         timer = _InModelTimer(gm, self.device)
-        with torch.no_grad() if not training else contextlib.nullcontext():
+        with preserved(gm, inputs), \
+                torch.no_grad() if not training else contextlib.nullcontext():
             timer.run(*inputs)  # warm-up
             timer.samples.clear()
             timer.totals.clear()
@@ -257,21 +264,24 @@ class CostModel:
     def measure(self, fn: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
                 repeats: int = 21) -> float:
         """Median seconds of a whole call, e.g. a module's forward (the figure predictions
-        are checked against)."""
-        kwargs = kwargs or {}
-        with torch.no_grad():
+        are checked against). The calls leave ``fn`` (a module), the arguments and the RNG as
+        they were."""
+        # Copies of the arguments, which a forward may write (what it writes is not known).
+        args, kwargs = pytree.tree_map_only(torch.Tensor, _clone, (tuple(args), kwargs or {}))
+        with torch.no_grad(), preserved(*([fn] if isinstance(fn, torch.nn.Module) else [])):
             return median_seconds(lambda i: fn(*args, **kwargs), self.device, warmup=3,
                                   repeats=repeats, budget_s=10.0)
 
     def fastest(self, what: str, candidates: dict[str, Any], repeats: int = 3,
-                ) -> tuple[str, dict[str, float]]:
+                state: Sequence[Any] = ()) -> tuple[str, dict[str, float]]:
         """Which of several equivalent kernels runs fastest here, and each one's seconds.
 
         ``candidates`` maps a kernel's name to a no-argument callable that runs it on real
         inputs; ``what`` names the op, shapes and dtypes they compute, and with the device and
         library versions keys the on-disk cache, so each choice is measured once per machine.
         Candidates are timed in interleaved rounds (a drifting machine then slows all alike)
-        with caches evicted before each run; ties go to the first candidate.
+        with caches evicted before each run; ties go to the first candidate. The runs leave
+        the RNG, and ``state`` (modules, tensors the candidates may write), as they were.
         """
         key = f"fastest|{what}|{sorted(candidates)}|{self._context()}"
         stored = self.cache.get(key)
@@ -279,7 +289,7 @@ class CostModel:
             seconds = {name: float(s) for name, s in stored.items()}
         else:
             samples: dict[str, list[float]] = {name: [] for name in candidates}
-            with torch.no_grad():
+            with torch.no_grad(), preserved(*state):
                 for fn in candidates.values():  # warm-up: first calls allocate and pack
                     fn()
                 for _ in range(repeats):
@@ -411,7 +421,7 @@ class _NodeProfiler(Interpreter):
         last touched several layers ago, so a repeat must not find them left in cache by the
         repeat before."""
         variants = [(args, kwargs)]
-        if _mutates(n.target):
+        if _mutates(n.target, args, kwargs):
             variants = [pytree.tree_map_only(torch.Tensor, _clone, (args, kwargs))
                         for _ in range(_MUTATED_COPIES)]
         return median_seconds(lambda i: self._call(n, *variants[i % len(variants)]),
@@ -419,6 +429,8 @@ class _NodeProfiler(Interpreter):
                               before=self.model.evict_cache)
 
     def _saved_bytes(self, n: Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        if _mutates(n.target, args, kwargs):  # one more run, which must not write the real ones
+            args, kwargs = pytree.tree_map_only(torch.Tensor, _clone, (args, kwargs))
         params = self._parameter_storages
         seen: set[int] = set()
         total = 0
@@ -446,9 +458,10 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if not isinstance(t, torch.nn.Parameter) else t
 
 
-def _mutates(target: Any) -> bool:
-    schema = getattr(target, "_schema", None)
-    return bool(schema is not None and schema.is_mutable)
+def _mutates(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether timing the op repeatedly would write its real arguments (an in-place op,
+    a train-mode BatchNorm's statistics), so it must run on copies."""
+    return bool(written_arguments(target, args, kwargs))
 
 
 def _callable(node: Node, gm: GraphModule | None) -> Any:

@@ -32,8 +32,9 @@ def matmul_flops(device: str | torch.device, dtype: torch.dtype,
         return float(stored["flops"])
     n = 2048 if dev.type == "cuda" else 512
     try:
-        a = torch.randn(n, n, device=dev).to(dtype)
-        b = torch.randn(n, n, device=dev).to(dtype)
+        generator = torch.Generator(dev).manual_seed(0)  # the global RNG stays the user's
+        a = torch.randn(n, n, device=dev, generator=generator).to(dtype)
+        b = torch.randn(n, n, device=dev, generator=generator).to(dtype)
         flops = 2 * n**3 / median_seconds(lambda i: torch.mm(a, b), dev, repeats=5)
     except RuntimeError:  # no kernel for this dtype on this device
         flops = 0.0

@@ -39,6 +39,8 @@ import torch
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils import _pytree as pytree
 
+from autoopt.cost_model.isolation import preserved, unwritten_inputs
+
 log = logging.getLogger(__name__)
 
 KEEP, OFFLOAD, SELECTIVE, RECOMPUTE = "keep", "offload", "selective", "recompute"
@@ -60,10 +62,10 @@ class BudgetTooSmall(ValueError):
     """No plan meets the budget. ``smallest`` is the least budget (bytes) a plan meets."""
 
     def __init__(self, budget: int, smallest: int, unconstrained: int,
-                 modes: Sequence[str] = MODES) -> None:
+                 modes: Sequence[str] = MODES, used: Sequence[str] | None = None) -> None:
         self.budget, self.smallest, self.unconstrained = budget, smallest, unconstrained
         super().__init__(
-            f"no plan ({'/'.join(modes)} per segment) keeps saved activations within "
+            f"no plan with modes {describe_modes(modes, used)} keeps saved activations within "
             f"{format_bytes(budget)}; the smallest budget a plan meets is "
             f"{format_bytes(smallest)} ({smallest} bytes, "
             f"{smallest / max(unconstrained, 1):.0%} of the {format_bytes(unconstrained)} "
@@ -162,6 +164,10 @@ class MemoryPlan:
         overlap: whether copies overlap compute (a GPU side stream) or not (host as both ends).
         method: ``keep-all`` (fits as is), ``dp``, ``greedy`` or ``given``.
         activations: every saved activation with its size and lifetime.
+        requested: the modes asked for (``memory_modes``); empty when not known.
+        available: the modes the planner could choose from (``keep`` always; ``offload``
+            only over a known link); empty when not known.
+        notes: what else the plan's reader should know (a mode left out, and why).
     """
 
     segments: tuple[Segment, ...]
@@ -171,6 +177,9 @@ class MemoryPlan:
     overlap: bool = False
     method: str = "given"
     activations: tuple[SavedActivation, ...] = field(default=(), repr=False)
+    requested: tuple[str, ...] = ()
+    available: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
     @property
     def unconstrained_bytes(self) -> int:
@@ -199,6 +208,9 @@ class MemoryPlan:
                  f"({self.count(KEEP)} kept, {self.count(OFFLOAD)} offloaded, "
                  f"{self.count(SELECTIVE)} recomputed selectively, "
                  f"{self.count(RECOMPUTE)} recomputed)"]
+        if self.requested:
+            lines.append(f"  modes: {describe_modes(self.requested, self.available or None)}")
+        lines.extend(f"  note: {note}" for note in self.notes)
         costs = added_seconds(self.segments, self.modes, self.link_bandwidth, self.overlap)
         for seg, mode, cost in zip(self.segments, self.modes, costs, strict=True):
             what = {KEEP: "keep on device",
@@ -223,6 +235,18 @@ class MemoryPlan:
                          f"alive from its forward to the backward of segment {a.segment} "
                          f"({self.modes[a.segment]})")
         return "\n".join(lines)
+
+
+def describe_modes(requested: Sequence[str], available: Sequence[str] | None = None) -> str:
+    """The modes asked of the planner and what it could use, in words:
+    ``recompute (and keep, always allowed)``."""
+    text = "/".join(m for m in MODES if m in requested)
+    if KEEP not in requested:
+        text += " (and keep, always allowed)"
+    left_out = [m for m in requested if available is not None and m not in available]
+    if left_out:
+        text += f"; {'/'.join(left_out)} not available here (no device-host link measured)"
+    return text
 
 
 def format_bytes(n: float) -> str:
@@ -317,7 +341,8 @@ def _offload_seconds(segments: Sequence[Segment], i: int, bandwidth: float,
 
 def plan_memory(segments: Sequence[Segment], budget: int, *, modes: Sequence[str] = MODES,
                 link_bandwidth: float = 0.0, overlap: bool = False, time_limit_s: float = 2.0,
-                activations: Sequence[SavedActivation] = ()) -> MemoryPlan:
+                activations: Sequence[SavedActivation] = (),
+                notes: Sequence[str] = ()) -> MemoryPlan:
     """The plan of least added step time whose saved activations fit in ``budget`` bytes.
 
     Args:
@@ -328,6 +353,7 @@ def plan_memory(segments: Sequence[Segment], budget: int, *, modes: Sequence[str
         overlap: whether copies overlap compute (GPU side stream).
         time_limit_s: for the exact search, after which the greedy plan is used.
         activations: carried into the plan for its description.
+        notes: carried into the plan for its description.
 
     Raises:
         BudgetTooSmall: no plan fits; it names the smallest budget that does.
@@ -339,7 +365,8 @@ def plan_memory(segments: Sequence[Segment], budget: int, *, modes: Sequence[str
 
     def make(chosen: Sequence[str], method: str) -> MemoryPlan:
         return MemoryPlan(segments, tuple(chosen), budget, link_bandwidth, overlap, method,
-                          tuple(activations))
+                          tuple(activations), tuple(m for m in MODES if m in modes), allowed,
+                          tuple(notes))
 
     keep_all = [KEEP] * len(segments)
     if peak_bytes(segments, keep_all) <= budget:
@@ -347,7 +374,7 @@ def plan_memory(segments: Sequence[Segment], budget: int, *, modes: Sequence[str
     chosen = _search(segments, budget, allowed, link_bandwidth, overlap, time_limit_s)
     if chosen is None:
         raise BudgetTooSmall(budget, smallest_budget(segments, allowed, link_bandwidth, overlap),
-                             peak_bytes(segments, keep_all), allowed)
+                             peak_bytes(segments, keep_all), modes, allowed)
     return make(*chosen)
 
 
@@ -593,21 +620,16 @@ def profile_activations(gm: GraphModule, example_inputs: Sequence[Any],
     """Run ``gm`` once with gradients and saved-tensor hooks to list what each node saves;
     price each node's forward with ``cost`` (a ``CostModel``; None: every node 0 s).
 
-    The run leaves no trace: buffers (BatchNorm statistics) and the RNG are restored.
+    The runs leave no trace: buffers (BatchNorm statistics, counters), Python attributes, the
+    inputs and the RNG are as they were (``preserved``).
     """
     recorder = _SavedRecorder(gm)
     times: dict[str, float] = {}
-    # Both runs update buffers in a training graph (BatchNorm statistics): put them back.
-    buffers = [(b, b.detach().clone()) for b in gm.buffers()]
-    try:
-        recorder.record(example_inputs)
-        if cost is not None:
-            graph_cost = cost.profile(gm, list(example_inputs))
-            times = {name: c.latency_s for name, c in graph_cost.by_node.items()}
-    finally:
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
+    with preserved(gm, example_inputs):
+        recorder.record(unwritten_inputs(gm, example_inputs))
+    if cost is not None:
+        graph_cost = cost.profile(gm, list(example_inputs))  # which puts back what it changes
+        times = {name: c.latency_s for name, c in graph_cost.by_node.items()}
     order = [n for n in gm.graph.nodes if n.op in _COMPUTE_OPS and str(n.target) != "_guards_fn"]
     heavy = frozenset(n.name for n in order if _is_heavy(n, gm))
     return ActivationProfile(order, recorder.saved_by_node, recorder.producer,
@@ -694,9 +716,9 @@ class _SavedRecorder(Interpreter):
         self.storage_of: dict[str, tuple[int, int]] = {}
 
     def record(self, inputs: Sequence[Any]) -> None:
-        """Run once; the RNG is restored after (the caller restores buffers)."""
+        """Run once (the caller puts back what the run changes)."""
         try:
-            with torch.random.fork_rng(), torch.enable_grad(), \
+            with torch.enable_grad(), \
                     torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
                 self.run(*inputs)
         finally:
