@@ -12,6 +12,7 @@ import logging
 import re
 from typing import Any
 
+import torch
 from torch import nn
 from torch.fx import GraphModule
 
@@ -21,12 +22,13 @@ from .passes import PassContext
 from .passes.memory_plan import (
     MODES,
     OFFLOAD,
+    SELECTIVE,
     BudgetTooSmall,
     MemoryPlan,
     plan_memory,
     profile_activations,
 )
-from .passes.recompute import apply_plan
+from .passes.recompute import SELECTIVE_BACKWARD_TWICE, apply_plan
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,8 @@ def parse_budget(value: Any) -> int | float:
 
 
 def parse_modes(modes: Any) -> tuple[str, ...]:
-    """Check ``memory_modes``: a non-empty subset of ``keep``, ``offload``, ``recompute``."""
+    """Check ``memory_modes``: a non-empty subset of ``keep``, ``offload``, ``selective``,
+    ``recompute`` (``keep`` is allowed whatever is asked: a segment may stay as it is)."""
     chosen = (modes,) if isinstance(modes, str) else tuple(modes)
     bad = [m for m in chosen if m not in MODES]
     if bad or not chosen:
@@ -109,8 +112,21 @@ def plan_for(gm: GraphModule, ctx: PassContext, budget: int | float,
                            "could not be matched to its placeholders")
     profile = profile_activations(gm, ctx.example_inputs, cost)
     on_gpu = ctx.device.type == "cuda"
+    notes: list[str] = []
     if modes is None:
         modes = MODES if on_gpu else tuple(m for m in MODES if m != OFFLOAD)
+        notes.append("modes: the default on this device" + (
+            "" if on_gpu else " (no offload: on a CPU the host is both ends, so it frees "
+                              "nothing)"))
+        if not SELECTIVE_BACKWARD_TWICE:
+            # Nobody announces a double backward in advance: by default, only what supports it.
+            modes = tuple(m for m in modes if m != SELECTIVE)
+            notes.append(f"selective recompute left out: under torch {torch.__version__} it "
+                         f"supports one backward per forward only (no retain_graph=True, no "
+                         f"double backward); memory_modes=(..., 'selective') asks for it")
+    elif SELECTIVE in modes and not SELECTIVE_BACKWARD_TWICE:
+        notes.append(f"selective recompute under torch {torch.__version__} supports one "
+                     f"backward per forward only (no retain_graph=True, no double backward)")
     # The host link on a GPU; on a CPU a copy within host memory (read plus write).
     ceilings = info.ceilings if info is not None else None
     bandwidth = 0.0
@@ -122,7 +138,7 @@ def plan_for(gm: GraphModule, ctx: PassContext, budget: int | float,
         try:
             plans.append(plan_memory(segments, limit, modes=modes,
                                      link_bandwidth=bandwidth or _UNKNOWN_LINK, overlap=on_gpu,
-                                     activations=activations))
+                                     activations=activations, notes=notes))
         except BudgetTooSmall as exc:
             refusals.append(exc)
         if len(segments) < count:

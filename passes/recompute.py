@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as checkpoint_module
 from torch import nn
 from torch.fx import GraphModule
 from torch.utils.checkpoint import (
@@ -26,6 +28,7 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from autoopt.cost_model.isolation import written_placeholders
 from autoopt.cost_model.stages import split_stages
 
 from .memory_plan import KEEP, OFFLOAD, RECOMPUTE, SELECTIVE, MemoryPlan
@@ -44,40 +47,61 @@ _CHECKPOINT_OPTIONS = ({"respect_saved_tensors_hooks": True}
 class Recompute(nn.Module):
     """Runs ``segment`` keeping only its inputs for backward; it runs again in backward.
 
-    The run in backward must not repeat the forward's side effects: inputs the segment writes
-    in place (BatchNorm running statistics, ``num_batches_tracked``) are put back after it.
+    State the segment writes in place (BatchNorm running statistics, ``num_batches_tracked``,
+    a counter buffer) is updated once per forward, as in eager: the run in backward works on
+    a copy of that state as the forward found it, so it computes what the forward computed
+    and writes nothing of the module's. The state is not handed to ``checkpoint`` either,
+    which would save it for backward and then find it written by the forward.
     """
 
     def __init__(self, segment: nn.Module, selective: bool = False) -> None:
         super().__init__()
         self.segment = segment
         self.selective = selective
-        self._written = _written_inputs(segment)
+        self._written = written_placeholders(segment)
         # Normalization layers called as modules (symbolic_trace graphs) own their statistics.
-        self._own_stats = [b for m in segment.modules()
+        self._own_stats = [(m, name) for m in segment.modules()
                            if isinstance(m, nn.modules.batchnorm._NormBase)
-                           and m.track_running_stats for b in m.buffers()]
+                           and m.track_running_stats
+                           for name, b in m.named_buffers(recurse=False) if b is not None]
 
     def forward(self, *args: Any) -> Any:
+        state = {i: args[i] for i in self._written if isinstance(args[i], torch.Tensor)}
+        if not torch.is_grad_enabled() or not (state or self._own_stats):
+            return self._checkpoint(self.segment, args)
+        # Taken before the forward writes them: what the rerun must start from. State is
+        # small (statistics, counters) next to the activations a recompute frees.
+        before = {i: t.detach().clone() for i, t in state.items()}
+        own_before = [(m, name, m._buffers[name].detach().clone())  # type: ignore[union-attr]
+                      for m, name in self._own_stats]
+        rest = [a for i, a in enumerate(args) if i not in state]
         calls = 0
 
         def run(*inputs: Any) -> Any:
             nonlocal calls
             calls += 1
-            if calls == 1 or not (self._written or self._own_stats):
-                return self.segment(*inputs)
-            written = [inputs[i] for i in self._written if isinstance(inputs[i], torch.Tensor)]
-            written += self._own_stats
-            saved = [t.detach().clone() for t in written]
+            values = iter(inputs)
+            if calls == 1:
+                full = [state[i] if i in state else next(values) for i in range(len(args))]
+                return self.segment(*full)
+            # A rerun in backward (one per backward pass, with retain_graph): fresh copies,
+            # so each rerun starts from the forward's state and the module's stays as is.
+            full = [before[i].clone() if i in before else next(values)
+                    for i in range(len(args))]
+            swapped = [(m, name, m._buffers[name]) for m, name, _ in own_before]
+            for m, name, value in own_before:
+                m._buffers[name] = value.clone()
             try:
-                return self.segment(*inputs)
+                return self.segment(*full)
             finally:
-                with torch.no_grad():
-                    for tensor, value in zip(written, saved, strict=True):
-                        tensor.copy_(value)
+                for m, name, value in swapped:
+                    m._buffers[name] = value
 
+        return self._checkpoint(run, rest)
+
+    def _checkpoint(self, fn: Callable[..., Any], args: Sequence[Any]) -> Any:
         context = _selective_contexts if self.selective else noop_context_fn
-        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
                           context_fn=context, **_CHECKPOINT_OPTIONS)
 
 
@@ -98,39 +122,31 @@ def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             else CheckpointPolicy.PREFER_RECOMPUTE)
 
 
+# PyTorch's selective checkpoint drops each kept result once a rerun has read it, marking the
+# entry with this sentinel; a second rerun of the segment (``retain_graph=True``, a double
+# backward such as a gradient penalty) then fails with "Trying to backward an extra time".
+# Where the marker is known the results are kept instead, until autograd frees the segment's
+# graph (which a plan already prices: a selective segment's kept results are counted alive
+# through its backward). Where it is not, selective recompute supports one backward only.
+_CONSUMED = getattr(checkpoint_module, "_CONSUMED", None)
+SELECTIVE_BACKWARD_TWICE = _CONSUMED is not None
+
+
+class _KeptResults(dict):  # type: ignore[type-arg]
+    """One op's kept results, by call index; reading one does not drop it."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if value is _CONSUMED and key in self:
+            return
+        super().__setitem__(key, value)
+
+
 def _selective_contexts() -> Any:
-    return create_selective_checkpoint_contexts(_policy)
-
-
-# Ops that update running statistics (arguments 3 and 4) when their ``training`` argument
-# (5) is true, though their schema does not say so.
-_RUNNING_STATS_OPS = (torch.ops.aten.batch_norm.default, torch.ops.aten.native_batch_norm.default,
-                      torch.ops.aten._native_batch_norm_legit.default,
-                      torch.ops.aten.instance_norm.default)
-
-
-def _written_inputs(segment: nn.Module) -> list[int]:
-    """Positions of the segment's inputs that an op in it writes in place: what the schema
-    marks written, and running statistics a normalization in training mode updates."""
-    if not isinstance(segment, GraphModule):
-        return []
-    placeholders = [n for n in segment.graph.nodes if n.op == "placeholder"]
-    written: set[int] = set()
-    for node in segment.graph.nodes:
-        if node.op != "call_function":
-            continue
-        targets: list[object] = []
-        if node.target in _RUNNING_STATS_OPS and len(node.args) > 5 and node.args[5]:
-            targets += node.args[3:5]
-        schema = getattr(node.target, "_schema", None)
-        if schema is not None and schema.is_mutable:
-            for i, argument in enumerate(schema.arguments):
-                alias = argument.alias_info
-                if alias is not None and alias.is_write:
-                    targets.append(node.args[i] if i < len(node.args)
-                                   else node.kwargs.get(argument.name))
-        written.update(placeholders.index(t) for t in targets if t in placeholders)
-    return sorted(written)
+    forward, rerun = create_selective_checkpoint_contexts(_policy)
+    if SELECTIVE_BACKWARD_TWICE and getattr(forward, "storage", None) is not None \
+            and forward.storage is getattr(rerun, "storage", None):
+        forward.storage = rerun.storage = defaultdict(_KeptResults)
+    return forward, rerun
 
 
 def apply_plan(gm: GraphModule, plan: MemoryPlan, offload: OffloadWrap | None = None,

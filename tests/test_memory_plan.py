@@ -125,6 +125,20 @@ def test_infeasible_budget_names_the_smallest_that_fits() -> None:
         plan_memory(segs, int(smallest * 0.97), modes=(KEEP, RECOMPUTE))
 
 
+def test_modes_are_reported_as_asked() -> None:
+    segs = _segments([(1000, 400, 1e-3), (1000, 400, 1e-3), (1000, 400, 1e-3)])
+    with pytest.raises(BudgetTooSmall, match=r"no plan with modes recompute \(and keep, always "
+                                             r"allowed\) keeps"):
+        plan_memory(segs, 500, modes=(RECOMPUTE,))
+    plan = plan_memory(segs, 2500, modes=(RECOMPUTE,))
+    assert plan.requested == (RECOMPUTE,) and plan.available == (KEEP, RECOMPUTE)
+    assert "modes: recompute (and keep, always allowed)" in plan.describe()
+    # Offload needs a device-host link; asked for without one, the plan says it was left out.
+    plan = plan_memory(segs, 2500, modes=(KEEP, OFFLOAD, RECOMPUTE))
+    assert OFFLOAD not in plan.modes
+    assert "modes: keep/offload/recompute; offload not available here" in plan.describe()
+
+
 def test_plan_in_plain_words() -> None:
     segs = _segments([(2 * 2**20, 2**10, 1e-3), (3 * 2**20, 2**10, 2e-3)])
     plan = MemoryPlan(tuple(segs), (RECOMPUTE, OFFLOAD), 6 * 2**20, BANDWIDTH)
@@ -212,3 +226,15 @@ def test_report_shows_the_plan() -> None:
     assert plan is not None and plan.count(RECOMPUTE) > 0 and plan.peak_bytes <= 13_000
     text = str(fast.report)
     assert "memory plan (" in text and "recompute in backward" in text
+    assert "modes: keep/selective/recompute" in text and "the default on this device" in text
+
+
+def test_report_names_the_modes_asked() -> None:
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 4)).train()
+    fast = autoopt.optimize(model, (torch.randn(32, 16),), training=True,
+                            memory_budget=13_000, memory_modes=("recompute",))
+    assert "modes: recompute (and keep, always allowed)" in str(fast.report)
+    with pytest.raises(autoopt.ConfigError, match=r"no plan with modes recompute \(and keep"):
+        autoopt.optimize(model, (torch.randn(32, 16),), training=True, memory_budget=100,
+                         memory_modes=("recompute",))
