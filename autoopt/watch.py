@@ -95,7 +95,8 @@ class ModuleWatch:
 
     def take_fingerprint(self) -> None:
         """Remember where each tensor's memory is and a few of its elements."""
-        self._fingerprint = (self._pointers(), self._sample())
+        views = self._sample_views()
+        self._fingerprint = (self._pointers(), views, self._read(views))
 
     def fingerprint_changed(self) -> bool:
         """Whether memory was swapped (``p.data = other``) or written without a version bump
@@ -103,30 +104,39 @@ class ModuleWatch:
         sampled element is seen only through the version counter."""
         if self._fingerprint is None:
             return False
-        pointers, samples = self._fingerprint
+        pointers, views, samples = self._fingerprint
         if self._pointers() != pointers:
-            return True
-        return any(not torch.equal(a, b) for a, b in zip(self._sample(), samples, strict=True))
+            return True  # before reading the views, which still see the old memory
+        return any(not torch.equal(a, b) for a, b in zip(self._read(views), samples,
+                                                          strict=True))
 
     def _pointers(self) -> list[int]:
         return [t.data_ptr() for t in self.tensors]
 
-    def _sample(self) -> list[torch.Tensor]:
-        """Sampled elements grouped by dtype, one concatenation per group, read as integers
-        so that NaN weights compare equal to themselves."""
+    def _sample_views(self) -> list[list[torch.Tensor]]:
+        """Views of a few elements spread over each tensor's memory, grouped by dtype (made
+        once: a view per tensor per call would cost more than a small model's forward)."""
         groups: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in self.tensors:
             if t.is_meta or t.numel() == 0 or t.layout != torch.strided:
                 continue
             span = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
             count = min(_SAMPLES, span)
-            step = max(1, span // count) if count else 1
+            if count <= 0:
+                continue
+            step = max(1, span // count)
             view = torch.as_strided(t.detach(), (count,), (step,), t.storage_offset())
             groups.setdefault(t.dtype, []).append(view)
+        return list(groups.values())
+
+    @staticmethod
+    def _read(views: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """The sampled elements, one concatenation per dtype, read as integers so that NaN
+        weights compare equal to themselves."""
         out = []
-        for dtype, views in groups.items():
-            flat = torch.cat(views)
-            bits = _SAME_WIDTH_INT.get(dtype)
+        for group in views:
+            flat = torch.cat(group)
+            bits = _SAME_WIDTH_INT.get(flat.dtype)
             out.append(flat.view(bits) if bits is not None else flat)
         return out
 
