@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 from .capture import export_graph, flat_example_inputs
 from .cost_model import CostModel, GraphCost
 from .errors import DeviceError, ModelError
+from .passes.graph import is_impure
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +44,7 @@ def profile_model(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     except Exception as exc:
         raise ModelError(f"profile needs a whole graph, but torch.export failed: "
                          f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from exc
-    gm.graph.eliminate_dead_code()
+    gm.graph.eliminate_dead_code(is_impure_node=is_impure)  # in-place writes stay
     gm.recompile()
     cost = cost or CostModel(target)
     profile = cost.profile(gm, list(flat_example_inputs(gm, args, kwargs)))

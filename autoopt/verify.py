@@ -188,7 +188,8 @@ def _leaves(obj: Any, path: str, depth: int = 0) -> Iterator[tuple[str, Any]]:
 def fresh_like(value: Any, generator: torch.Generator) -> Any:
     """A random value of the same type, shape and dtype as ``value``, drawn to look like it.
 
-    Floating tensors get the example's mean and spread; integer tensors (token ids, class
+    Floating tensors get the example's mean and spread (a float 0/1 mask stays a 0/1 mask,
+    with some positions masked); integer tensors (token ids, class
     indices) stay within the example's range so they index the same tables; booleans (masks)
     and non-tensor values are kept, since changing them can change what the model means.
     Parameters are kept as they are.
@@ -205,6 +206,14 @@ def fresh_like(value: Any, generator: torch.Generator) -> Any:
         finite = value.detach()[torch.isfinite(value.detach())].to(torch.float64)
         if finite.numel() == 0:
             return value.clone()
+        if bool(((finite == 0) | (finite == 1)).all()):
+            # A float 0/1 mask (attention_mask as floats): noise would turn it into weights
+            # the model never sees. Draw another 0/1 pattern instead, with some zeros even
+            # where the example had none, so that padded inputs are verified too.
+            p = min(max(float(finite.mean()), 0.25), 0.75)
+            draw = torch.rand(value.shape, generator=generator, dtype=torch.float64) < p
+            return draw.to(dtype=value.dtype, device=value.device).requires_grad_(
+                value.requires_grad)
         mean = float(finite.mean())
         std = float(finite.std()) if finite.numel() > 1 else 1.0
         std = std if std > 0 else max(abs(mean), 1.0)

@@ -119,3 +119,11 @@ def test_cuda_fp32_gets_tf32_room_unless_tf32_is_off_or_the_user_sets_fp32() -> 
         assert not failed.ok and "TF32" not in failed.detail
     finally:
         torch.backends.cudnn.allow_tf32 = conv
+
+
+def test_a_float_mask_stays_a_mask_and_gets_padding() -> None:
+    """An all-ones float attention mask turned into noise would overflow ``(1 - m) * min``
+    in eager itself; a 0/1 pattern with some zeros verifies padded batches too."""
+    mask = torch.ones(4, 16)
+    fresh = fresh_like(mask, torch.Generator().manual_seed(0))
+    assert set(fresh.unique().tolist()) == {0.0, 1.0}
