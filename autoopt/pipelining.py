@@ -196,8 +196,9 @@ class Pipeline(nn.Module):
                  out_spec: pytree.TreeSpec | None = None) -> None:
         super().__init__()
         self.devices = [torch.device(d) for d in devices]
-        self.stages = nn.ModuleList(place_stage(stage, device)
-                                    for stage, device in zip(stages, self.devices, strict=True))
+        self.stages = nn.ModuleList(_share_tied_weights(
+            stages, [place_stage(stage, device)
+                     for stage, device in zip(stages, self.devices, strict=True)], self.devices))
         self.microbatches = microbatches
         self.plan = plan
         check_mergeable_outputs(traced_values(stages[0], "placeholder"),
@@ -311,6 +312,39 @@ class Pipeline(nn.Module):
         if self._out_spec is None:
             return tuple(flat)
         return pytree.tree_unflatten(list(flat), self._out_spec)
+
+
+def _share_tied_weights(stages: Sequence[GraphModule], placed: list[GraphModule],
+                        devices: Sequence[torch.device]) -> list[GraphModule]:
+    """``placed`` with every weight that several stages read held once again.
+
+    Placing a stage on another device copies its weights, so a weight two stages share (an
+    embedding tied to the LM head) became two that train apart. The first stage reading it
+    keeps it; each later one reads it through a ``.to(device)`` in its graph, so autograd
+    sums both stages' gradients into the one parameter.
+    """
+    for name, holders in shared_parameters(stages):
+        original = stages[holders[0]].get_parameter(name)
+        owner = placed[holders[0]].get_parameter(name)
+        for s in holders[1:]:
+            names = [n for n, p in stages[s].named_parameters(remove_duplicate=False)
+                     if p is original]
+            if all(placed[s].get_parameter(n) is owner for n in names):
+                continue
+            if placed[s] is stages[s]:  # the caller's stage keeps its own graph
+                placed[s] = copy.deepcopy(stages[s])
+            stage = placed[s]
+            for n in names:
+                prefix, _, leaf = n.rpartition(".")
+                stage.get_submodule(prefix).register_parameter(leaf, owner)
+            for node in list(stage.graph.nodes):
+                if node.op == "get_attr" and str(node.target) in names:
+                    with stage.graph.inserting_after(node):
+                        moved = stage.graph.call_method("to", (node, devices[s]))
+                    node.replace_all_uses_with(moved, delete_user_cb=lambda u, m=moved: u is not m)
+                    moved.meta = dict(node.meta)
+            stage.recompile()
+    return placed
 
 
 def traced_values(gm: GraphModule, op: str) -> list[Any]:

@@ -282,6 +282,31 @@ def _lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
+@pytest.mark.parametrize("devices", [
+    ["cpu", "cpu:0"],  # a device other than the weights' own: the stage is placed (copied)
+    pytest.param(["cpu", "cuda:0"], marks=pytest.mark.gpu),
+])
+def test_a_tied_weight_on_stages_placed_on_different_devices_stays_one_weight(
+        devices: list[str]) -> None:
+    """Placing the LM head's stage copied its weights, so the embedding and the head trained
+    apart; the head's stage now reads the embedding stage's weight, and the gradients of both
+    uses reach it."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    reference = copy.deepcopy(model)
+    ids, labels = torch.randint(0, 16, (4, 5)), torch.randint(0, 16, (4, 5))
+    gm = export_graph(model, (ids[:2],), {})
+    plan = partition(gm, CostModel("cpu").predict(gm), [DeviceSpec(d) for d in devices])
+    pipe = pipeline_from_graph(gm, plan, microbatches=2)
+    assert len(list(pipe.parameters())) == len(list(reference.parameters()))
+    _lm_loss(pipe(ids).cpu(), labels).backward()
+    _lm_loss(reference(ids), labels).backward()
+    expected = dict(reference.named_parameters(remove_duplicate=False))
+    for name, param in pipe.named_stage_parameters():
+        torch.testing.assert_close(param.grad.cpu(), expected[name].grad, rtol=1e-4, atol=1e-6)
+    assert gm.get_parameter("head.weight") is model.embed.weight  # the caller's graph as it was
+
+
 def _distributed_worker() -> int:
     """Run by ``torchrun`` (see ``distributed_checks``); prints one ``rank R: <check> ok`` or
     ``FAIL`` line per check."""
