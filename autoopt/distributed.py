@@ -11,6 +11,10 @@ Example:
     >>> dist.init_process_group("gloo")
     >>> pipe = autoopt.distributed.distributed_pipeline(model, (x,), microbatches=4)
     >>> out = pipe.step(x)   # the model's output on the last rank, None elsewhere
+
+A weight that stages on several ranks read (an embedding tied to the LM head) is copied to each;
+a training ``step`` all-reduces its gradient between those ranks (``DistributedPipeline.tied``),
+so the copies, stepped by identical optimizers, stay one weight.
 """
 
 from __future__ import annotations
@@ -101,17 +105,17 @@ class DistributedPipeline:
     def step(self, *args: Any, target: torch.Tensor | None = None, **kwargs: Any) -> Any:
         """Run one step over the microbatches: inputs on the first rank, ``target`` on the last
         (training). Returns the merged output on the last rank (in the model's own structure),
-        None on the others."""
+        None on the others. In training, the gradients of weights tied across ranks (``tied``)
+        are summed between those ranks before it returns, ready for the optimizer step."""
         flat: list[Any] = []
         if self.is_first:
             flat = (list(tree_flatten_spec((tuple(args), dict(kwargs)), self.in_spec))
                     if self.in_spec is not None else list(args))
             flat = [x.to(self.stage.device) if isinstance(x, torch.Tensor) else x for x in flat]
-        if target is None:
-            out = self.schedule.step(*flat)
-        else:
-            with self._summing_tied_gradients():
-                out = self.schedule.step(*flat, target=target)
+        # Every rank of a training pipeline runs backward in each step, with a target or not
+        # (only the last needs one), so every rank holding a tied weight reaches the all-reduce.
+        with self._summing_tied_gradients():
+            out = self.schedule.step(*flat, **({"target": target} if target is not None else {}))
         if not self.is_last or out is None:
             return None
         return _structured(out, self.out_spec)

@@ -340,7 +340,7 @@ def _distributed_worker() -> int:
     problem = None
     for step in range(3):
         optimizer.zero_grad()
-        pipe.step(ids, target=labels)
+        pipe.step(ids, target=labels if pipe.is_last else None)  # the target: last rank only
         reference_optimizer.zero_grad()
         _lm_loss(reference(ids), labels).backward()
         if step == 0:
