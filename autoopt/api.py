@@ -68,7 +68,7 @@ def optimize(model: nn.Module, example_inputs: Any = (), example_kwargs: Mapping
     """
     cfg = OptimizeConfig.build(config, options)
     model = _unwrap(model)
-    args, kwargs = _check_inputs(example_inputs, example_kwargs)
+    args, kwargs = check_inputs(example_inputs, example_kwargs)
     target = _resolve_device(model, device)
     training = model.training if training is None else training
     # An inference module reads your weights where they are (no second copy in memory) until
@@ -127,6 +127,27 @@ class _Specialization:
     writes_buffers: bool = False
 
 
+@dataclass(frozen=True)
+class Specialization:
+    """A read-only record of one compiled form of the model (``OptimizedModule.
+    specializations``).
+
+    Args:
+        signature: the inputs and modes it serves; None: any call (Dynamo guards its own,
+            or the model runs eagerly).
+        method: how it was captured: ``export``, ``symbolic_trace``, ``dynamo`` or ``eager``.
+        graph: the optimized whole graph that runs (a ``symbolic_trace`` graph takes every
+            forward argument positionally); None for Dynamo and eager.
+        backend: what executes it: ``aten`` (the graph's own kernels, lowered ones
+            included), ``cuda_graph`` (replayed as one CUDA graph), ``dynamo`` or ``eager``.
+    """
+
+    signature: InputSignature | None
+    method: str
+    graph: GraphModule | None
+    backend: str
+
+
 class OptimizedModule(nn.Module):
     """The module ``optimize`` returns.
 
@@ -134,6 +155,9 @@ class OptimizedModule(nn.Module):
     captured, optimized and verified on first use (up to ``max_specializations``, then it
     runs eagerly). ``report`` says what was done. ``module`` is autoopt's private copy of the
     original model (parameters live there and are shared with the graphs).
+
+    Public surface for tools built on it: ``config``, ``is_dynamic``, ``specializations``,
+    ``graph_for(args, kwargs)`` and ``specialize(args, kwargs)``.
     """
 
     def __init__(self, module: nn.Module, config: OptimizeConfig, *, dynamic: bool = False,
@@ -161,6 +185,35 @@ class OptimizedModule(nn.Module):
         # and a load must not write into the user's tensors.
         module.register_load_state_dict_pre_hook(self._before_load)
         module.register_load_state_dict_post_hook(self._weights_loaded)
+
+    # --- public surface ----------------------------------------------------------------------
+
+    @property
+    def config(self) -> OptimizeConfig:
+        """The options it was optimized with."""
+        return self._config
+
+    @property
+    def is_dynamic(self) -> bool:
+        """Whether graphs keep some dimensions symbolic (``dynamic=True`` or
+        ``dynamic_shapes=``)."""
+        return bool(self._dynamic) or self._dynamic_shapes is not None
+
+    @property
+    def specializations(self) -> tuple[Specialization, ...]:
+        """What has been compiled so far, one record per input signature."""
+        return tuple(Specialization(s.signature, s.method, s.graph, _backend(s))
+                     for s in self._specializations)
+
+    def graph_for(self, args: Any = (), kwargs: Mapping[str, Any] | None = None,
+                  ) -> GraphModule | None:
+        """The optimized whole graph a call with these inputs runs, in the current grad mode
+        (captured now if no graph serves them yet); None where the model runs through Dynamo
+        or eagerly."""
+        args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
+        kwargs = dict(kwargs or {})
+        spec = self._find(args, kwargs) or self.specialize(args, kwargs)
+        return spec.graph
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         specs = self._specializations
@@ -437,7 +490,7 @@ class OptimizedModule(nn.Module):
         gm = self._optimize_graph(gm, positional(*args, **kwargs), args, kwargs, record,
                                   "symbolic_trace", adapt)
         return _Specialization(signature_of(args, kwargs, self.module), "symbolic_trace",
-                               adapt(gm))
+                               adapt(gm), gm)
 
     def _capture_dynamo(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                         record: CaptureRecord) -> _Specialization:
@@ -474,7 +527,7 @@ class OptimizedModule(nn.Module):
         # A gradient can flow to a parameter or an input: every op must keep its backward.
         training = needs_gradients(args, kwargs, current_modes(self.module))
         ctx = PassContext(flat_inputs, device, training, self.cost_model,
-                          dict(self._config.pass_options))
+                          self._config.resolved_pass_options)
         optimized, records = run_pipeline(gm, self._config.passes, ctx,
                                           check if self._config.verify else None,
                                           disabled=self._config.disable,
@@ -537,7 +590,13 @@ class OptimizedModule(nn.Module):
 
         if "sets" not in reference:  # the same input objects each call, so ids key the memo
             reference["sets"] = input_sets(args, kwargs, self._config.random_inputs)
-        return check_all(run_pair, reference["sets"], self._config.tolerances)
+        return check_all(run_pair, reference["sets"], self._config.verification_tolerances)
+
+
+def _backend(spec: _Specialization) -> str:
+    if spec.method in ("dynamo", "eager"):
+        return spec.method
+    return "cuda_graph" if isinstance(spec.run, cuda_graphs.CudaGraphRunner) else "aten"
 
 
 class _Mismatch(Exception):
@@ -570,7 +629,7 @@ def _unwrap(model: Any) -> nn.Module:
     return model
 
 
-def _check_inputs(example_inputs: Any, example_kwargs: Mapping[str, Any] | None,
+def check_inputs(example_inputs: Any, example_kwargs: Mapping[str, Any] | None,
                   ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)

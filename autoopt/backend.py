@@ -54,7 +54,7 @@ def autoopt_backend(gm: GraphModule, example_inputs: Sequence[Any], *,
     device = tensors[0].device if tensors else torch.device("cpu")
     ctx = PassContext(tuple(inputs), device, training=torch.is_grad_enabled() and any(
         t.requires_grad for t in tensors), cost=CostModel(device),
-        options=dict(config.pass_options))
+        options=config.resolved_pass_options)
     optimized, records = run_pipeline(gm, config.passes, ctx, check if config.verify else None,
                                       disabled=config.disable, debug=config.debug)
     if record is not None:
@@ -92,7 +92,7 @@ def verify_graph(reference: GraphModule, candidate: GraphModule, example_inputs:
             results.append((out, written))
         return results[0], results[1]
 
-    return check_all(run_pair, sets, config.tolerances)
+    return check_all(run_pair, sets, config.verification_tolerances)
 
 
 def _merge(record: CaptureRecord, records: list[PassRecord]) -> None:

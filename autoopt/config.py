@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from . import precision as precision_settings
 from .errors import ConfigError
 from .memory import parse_budget, parse_modes
 from .passes import PIPELINE, PassFn
+from .passes.precision import DEFAULT_TOLERANCE, PRECISIONS
 from .verify import Tolerance
 
 CAPTURE_METHODS = ("export", "symbolic_trace", "dynamo")
@@ -96,18 +96,52 @@ class OptimizeConfig:
             parse_budget(self.memory_budget)
         if self.memory_modes is not None:
             object.__setattr__(self, "memory_modes", parse_modes(self.memory_modes))
-        _check_pipeline(self)
+        _check_devices(self)
         if self.report is not None and not isinstance(self.report, str):
             if not hasattr(self.report, "__fspath__"):
                 raise ConfigError(f"report is a path for the HTML report, e.g. "
                                   f"report='report.html'; got {self.report!r}")
             object.__setattr__(self, "report", str(self.report))
-        # Validates precision/tolerance and hands them to the pass and to verification.
-        precision_settings.configure(self)
+        _check_precision(self.precision, self.tolerance)
 
     @property
     def passes(self) -> tuple[tuple[str, PassFn], ...]:
         return PIPELINE if self.pipeline is None else self.pipeline
+
+    # What the options imply, derived when read (the config itself stays as the user gave it).
+
+    @property
+    def low_precision(self) -> bool:
+        return self.precision not in (None, "fp32")
+
+    @property
+    def precision_tolerance(self) -> float | None:
+        """The end-to-end relative error allowed under ``precision`` (None in fp32)."""
+        if not self.low_precision:
+            return None
+        return float(self.tolerance) if self.tolerance is not None else DEFAULT_TOLERANCE[
+            self.precision]
+
+    @property
+    def resolved_pass_options(self) -> dict[str, dict[str, Any]]:
+        """Each pass's options: the user's, and for the precision pass the precision and its
+        tolerance."""
+        options = {name: dict(opts) for name, opts in self.pass_options.items()}
+        if self.low_precision:
+            options.setdefault("precision", {}).update(precision=self.precision,
+                                                       tolerance=self.precision_tolerance)
+        return options
+
+    @property
+    def verification_tolerances(self) -> dict[torch.dtype, Tolerance]:
+        """Per-dtype tolerances for verification: the user's; under ``precision`` fp32
+        outputs may differ by the precision's tolerance (``|error| <= tolerance *
+        max(1, max|out|)``) unless the user set fp32's."""
+        tolerances = dict(self.tolerances)
+        if self.low_precision:
+            tolerances.setdefault(torch.float32, Tolerance(rtol=0.0,
+                                                           atol=self.precision_tolerance))
+        return tolerances
 
     @classmethod
     def build(cls, config: OptimizeConfig | Mapping[str, Any] | None,
@@ -133,7 +167,21 @@ class OptimizeConfig:
         return cls(**base)
 
 
-def _check_pipeline(config: OptimizeConfig) -> None:
+def _check_precision(precision: Any, tolerance: Any) -> None:
+    if precision is not None and precision not in PRECISIONS:
+        raise ConfigError(f"precision={precision!r} is not supported; use one of "
+                          f"{[None, *PRECISIONS]}")
+    if tolerance is not None:
+        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not (
+                0 < tolerance < 1):
+            raise ConfigError(f"tolerance must be a number in (0, 1), the end-to-end relative "
+                              f"error allowed; got {tolerance!r}")
+        if precision in (None, "fp32"):
+            raise ConfigError(f"tolerance={tolerance!r} is the error allowed under reduced "
+                              f"precision; pass precision='bf16', 'fp16' or 'int8' with it")
+
+
+def _check_devices(config: OptimizeConfig) -> None:
     """``devices`` names real devices, at least one; ``microbatches`` is a positive int."""
     if not isinstance(config.microbatches, int) or config.microbatches < 1:
         raise ConfigError(f"microbatches must be an integer >= 1; got {config.microbatches!r}")

@@ -526,10 +526,9 @@ def _roofline(w: _Workload, progress: Progress) -> GraphCost | None:
 
 
 def _optimized_graph(model: nn.Module) -> torch.fx.GraphModule | None:
-    for spec in getattr(model, "_specializations", []):
-        graph = spec.graph or spec.run  # spec.run may be a CUDA graph
-        if isinstance(graph, torch.fx.GraphModule):
-            return graph
+    for spec in getattr(model, "specializations", ()):
+        if isinstance(spec.graph, torch.fx.GraphModule):
+            return spec.graph
     return None
 
 

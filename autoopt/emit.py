@@ -23,17 +23,15 @@ def save_program(optimized: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any
     dimensions the graph keeps symbolic (``dynamic=True``, ``dynamic_shapes=``) stay dynamic
     in the program.
     """
-    # The inference graph if there is one (an eval model is captured under no_grad).
+    # The inference graph (an eval model is captured under no_grad).
     with torch.no_grad():
-        spec = optimized._find(tuple(args), dict(kwargs))
-    if spec is None:
-        spec = optimized._find(tuple(args), dict(kwargs))
-    if spec is None or not isinstance(spec.graph, GraphModule):
-        method = spec.method if spec is not None else "none"
-        raise ModelError(f"cannot save: the model was captured by {method!r}, not as one whole "
-                         "graph, so there is no single program to write. Make the model "
-                         "exportable (see the report's capture attempts).")
-    gm = portable(spec.graph)
+        graph = optimized.graph_for(tuple(args), dict(kwargs))
+    if not isinstance(graph, GraphModule):
+        methods = sorted({s.method for s in optimized.specializations if s.graph is None})
+        raise ModelError(f"cannot save: the model was captured by {' / '.join(methods)!r}, "
+                         "not as one whole graph, so there is no single program to write. "
+                         "Make the model exportable (see the report's capture attempts).")
+    gm = portable(graph)
     program = torch.export.export(gm, tuple(args), dict(kwargs), strict=False,
                                   dynamic_shapes=_symbolic_dims(gm, tuple(args), dict(kwargs)))
     torch.export.save(program, path)

@@ -338,9 +338,8 @@ def _features(data: ReportData) -> list[tuple[str, Any]]:
     holders: list[Any] = [data.report, data.optimized]
     report = data.report or getattr(data.optimized, "report", None)
     holders += list(getattr(report, "captures", []) or [])
-    for spec in getattr(data.optimized, "_specializations", []) or []:
-        graph = getattr(spec, "graph", None) or getattr(spec, "run", None)
-        holders.append(getattr(graph, "meta", None))
+    for spec in getattr(data.optimized, "specializations", ()) or ():
+        holders.append(getattr(spec.graph, "meta", None))
     found = []
     for title, names in (("Precision map", ("precision_map", "precision")),
                          ("Stage partition", ("partition", "plan", "stages")),

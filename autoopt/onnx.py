@@ -197,7 +197,7 @@ def export_onnx(model_or_optimized: nn.Module, example_inputs: Any, path: str | 
         >>> report = autoopt.export_onnx(resnet, (x,), "resnet.onnx", dynamic="batch")
         >>> print(report)
     """
-    from .api import OptimizedModule, _check_inputs, optimize
+    from .api import OptimizedModule, check_inputs, optimize
 
     start = time.perf_counter()
     onnx = require("onnx", "ONNX export", "pip install onnx onnxscript")
@@ -209,7 +209,7 @@ def export_onnx(model_or_optimized: nn.Module, example_inputs: Any, path: str | 
         raise ConfigError(f"exporter={exporter!r}; use one of {EXPORTERS}")
     if precision == "int8":
         raise ConfigError(_INT8_MESSAGE)
-    args, kwargs = _check_inputs(example_inputs, example_kwargs)
+    args, kwargs = check_inputs(example_inputs, example_kwargs)
     _check_dims_apply(dims, args, kwargs)
     if isinstance(model_or_optimized, OptimizedModule):
         optimized = model_or_optimized
@@ -226,8 +226,8 @@ def export_onnx(model_or_optimized: nn.Module, example_inputs: Any, path: str | 
         raise ModelError(f"export_onnx expects an nn.Module or an OptimizedModule; got "
                          f"{type(model_or_optimized).__name__}.")
     eager = optimized.module
-    if tolerances is None and optimized._config.precision not in (None, "fp32"):
-        tolerances = optimized._config.tolerances  # the precision's end-to-end tolerance
+    if tolerances is None and optimized.config.low_precision:
+        tolerances = optimized.config.verification_tolerances  # the precision's end-to-end
     with torch.no_grad():
         expected = eager(*args, **kwargs)
         gm, method = _whole_graph(optimized, args, kwargs, expected)
@@ -322,11 +322,11 @@ def check_writable(path: Path, what: str) -> None:
 def _check_optimized(optimized: Any, dims: tuple[str, ...], precision: str | None,
                      config: Any) -> None:
     """An ``OptimizedModule`` is exported as it was built: refuse options it cannot honour."""
-    if dims and not (optimized._dynamic or optimized._dynamic_shapes is not None):
+    if dims and not optimized.is_dynamic:
         raise ConfigError(f"dynamic={dims} but this OptimizedModule was built for static "
                           "shapes; pass the nn.Module itself, or optimize it with "
                           "dynamic=True.")
-    built = optimized._config.precision
+    built = optimized.config.precision
     if precision is not None and precision != (built or "fp32"):
         raise ConfigError(f"precision={precision!r}, but this OptimizedModule was optimized "
                           f"with precision={built!r} and is exported as it is; pass the "
@@ -433,10 +433,8 @@ def _dynamic_shapes(forward: Any, args: tuple[Any, ...], kwargs: Mapping[str, An
 def _whole_graph(optimized: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                  expected: Any) -> tuple[GraphModule, str]:
     """The optimized graph module ``optimized`` runs for these inputs (as ``save_program``)."""
-    spec = optimized._find(args, kwargs)
-    if spec is None:
-        spec = optimized.specialize(args, kwargs)
-    if not isinstance(spec.graph, GraphModule):
+    graph = optimized.graph_for(args, kwargs)
+    if not isinstance(graph, GraphModule):
         unregistered = _unregistered_dataclass(expected)
         if unregistered is not None:
             name = unregistered.__name__
@@ -447,11 +445,13 @@ def _whole_graph(optimized: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                              f"dict.")
         attempts = "; ".join(f"{m}: {why}" for c in optimized.report.captures
                              for m, why in c.attempts)
-        raise ModelError(f"cannot export to ONNX: the model was captured by {spec.method!r}, "
+        method = optimized.report.captures[-1].method if optimized.report.captures else "none"
+        raise ModelError(f"cannot export to ONNX: the model was captured by {method!r}, "
                          f"not as one whole graph by torch.export, so there is no single graph "
                          f"to write. Make the model exportable with torch.export "
                          f"(capture attempts: {attempts or 'none recorded'}).")
-    return portable(spec.graph), spec.method
+    method = next(s.method for s in optimized.specializations if s.graph is graph)
+    return portable(graph), method
 
 
 def _unregistered_dataclass(value: Any) -> type | None:

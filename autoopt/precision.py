@@ -1,8 +1,8 @@
-"""The ``precision=`` and ``tolerance=`` options: their checks, what verification then allows,
-and whether the target device gains from the low precision at all.
+"""Whether the ``precision=`` option can work on the target device and gains anything there,
+and what the report says when it did not apply.
 
-The casting itself is the ``precision`` pass (``passes/precision.py``); this module only
-decides whether it may run and hands it its settings.
+The options are checked, and what they imply derived, by ``OptimizeConfig``; the casting
+itself is the ``precision`` pass (``passes/precision.py``).
 """
 
 from __future__ import annotations
@@ -16,50 +16,13 @@ import torch
 
 from .cost_model.precision import matmul_flops
 from .errors import ConfigError
-from .passes.precision import DEFAULT_TOLERANCE, LOW_DTYPES, PRECISIONS
-from .verify import Tolerance
+from .passes.precision import LOW_DTYPES
 
 if TYPE_CHECKING:
     from .config import OptimizeConfig
     from .report import Report
 
 log = logging.getLogger(__name__)
-
-
-def configure(cfg: OptimizeConfig) -> None:
-    """Check ``cfg.precision``/``cfg.tolerance``; give the pass its options and make fp32
-    outputs verify against the user's tolerance (``|error| <= tolerance * max(1, max|out|)``).
-    """
-    precision, tolerance = cfg.precision, cfg.tolerance
-    if precision is not None and precision not in PRECISIONS:
-        raise ConfigError(f"precision={precision!r} is not supported; use one of "
-                          f"{[None, *PRECISIONS]}")
-    if tolerance is not None:
-        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not (
-                0 < tolerance < 1):
-            raise ConfigError(f"tolerance must be a number in (0, 1), the end-to-end relative "
-                              f"error allowed; got {tolerance!r}")
-        if precision in (None, "fp32"):
-            raise ConfigError(f"tolerance={tolerance!r} is the error allowed under reduced "
-                              f"precision; pass precision='bf16', 'fp16' or 'int8' with it")
-    # A config rebuilt from one that had a precision: forget what configure set there before.
-    options = dict(cfg.pass_options)
-    mine = dict(options.get("precision", {}))
-    mine.pop("precision", None)
-    previous = mine.pop("tolerance", None)
-    tolerances = dict(cfg.tolerances)
-    if previous is not None and tolerances.get(torch.float32) == Tolerance(0.0, previous):
-        del tolerances[torch.float32]
-    if precision not in (None, "fp32"):
-        tolerance = float(tolerance) if tolerance is not None else DEFAULT_TOLERANCE[precision]
-        mine.update(precision=precision, tolerance=tolerance)
-        tolerances.setdefault(torch.float32, Tolerance(rtol=0.0, atol=tolerance))
-    if mine:
-        options["precision"] = mine
-    else:
-        options.pop("precision", None)
-    object.__setattr__(cfg, "pass_options", options)
-    object.__setattr__(cfg, "tolerances", tolerances)
 
 
 def check_target(cfg: OptimizeConfig, device: torch.device | None, training: bool,
@@ -124,7 +87,7 @@ def notes_after(cfg: OptimizeConfig, report: Report) -> list[str]:
         reason = "; ".join(sorted(why))
     else:
         reason = (f"no compute-heavy op could run in {cfg.precision} within the tolerance "
-                  f"{cfg.pass_options['precision']['tolerance']:g}")
+                  f"{cfg.precision_tolerance:g}")
     return [f"precision='{cfg.precision}' not applied: {reason}; the model runs in fp32"]
 
 

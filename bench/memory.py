@@ -106,7 +106,7 @@ def runners(model: nn.Module, ids: torch.Tensor, device: str) -> list[Runner]:
         budget = int(need * fraction)
         fast = autoopt.optimize(model, (ids,), training=True, memory_budget=budget,
                                 memory_modes=modes)
-        graphs = [s.run for s in fast._specializations]
+        graphs = [s.graph for s in fast.specializations]
         found.append(Runner(f"autoopt {fraction:.0%}", fast, fast.module,
                             _state(fast.module, *graphs), budget,
                             fast.report.captures[0].memory_plan))

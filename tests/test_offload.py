@@ -337,7 +337,7 @@ def test_budget_met_with_eager_gradients(name: str, modes: tuple[str, ...]) -> N
     plan = fast.report.captures[0].memory_plan
     assert plan is not None and plan.peak_bytes <= budget
     assert sum(plan.count(m) for m in modes if m != KEEP) > 0
-    graphs = [spec.run for spec in fast._specializations]  # their folded constants
+    graphs = [spec.graph for spec in fast.specializations]  # their folded constants
     actual = _step(fast, fast.module, args, kwargs, *graphs)
     _assert_same_step(expected, actual)
     assert actual[2] <= budget
@@ -353,7 +353,7 @@ def test_resnet18_recompute_gives_eager_gradients() -> None:
     expected = _step(reference, reference, args, {})
     budget = expected[2] // 2
     fast = autoopt.optimize(model, args, training=True, memory_budget=budget)
-    graphs = [spec.run for spec in fast._specializations]
+    graphs = [spec.graph for spec in fast.specializations]
     actual = _step(fast, fast.module, args, {}, *graphs)
     _assert_same_step(expected, actual)
     assert actual[2] <= budget
@@ -376,7 +376,7 @@ def test_cuda_offload_gives_eager_gradients_and_copies_on_a_side_stream() -> Non
     budget = expected[2] // 2
     fast = autoopt.optimize(model, args, kwargs, training=True, memory_budget=budget,
                             memory_modes=(KEEP, OFFLOAD))
-    graph = fast._specializations[0].run
+    graph = fast.specializations[0].graph
     offloader = graph.meta["offloader"]
     actual = _step(fast, fast.module, args, kwargs, graph)
     torch.cuda.synchronize()

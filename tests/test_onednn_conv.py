@@ -225,7 +225,7 @@ def test_optimize_uses_it_and_exports_take_the_portable_graph(tmp_path: Path) ->
     fast = autoopt.optimize(model, (x,), pass_options={"onednn_conv": {"measure": False}})
     record = next(p for p in fast.report.captures[0].passes if p.name == "onednn_conv")
     assert record.status == "applied" and record.counts["conv"] == 20
-    gm = fast._specializations[0].run
+    gm = fast.specializations[0].graph
     assert not {aten.conv2d.default, aten.relu_.default} & set(_targets(gm))
     assert aten.conv2d.default in _targets(portable(gm)) and not _onednn_calls(portable(gm))
     with torch.no_grad():

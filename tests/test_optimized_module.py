@@ -101,7 +101,7 @@ def test_inference_capture_folds_and_a_gradient_call_keeps_parameter_gradients()
 def test_training_flag_captures_with_gradients() -> None:
     fast = autoopt.optimize(mlp(), (torch.randn(2, 6),), training=True)
     assert fast.report.captures[0].inputs
-    assert fast._specializations[0].signature.modes[0] is True
+    assert fast.specializations[0].signature.modes[0] is True
 
 
 class ConvBnMlp(nn.Module):

@@ -171,7 +171,7 @@ def test_optimize_on_bert_uses_it_and_exports_take_the_portable_graph(tmp_path: 
     ids = torch.randint(0, 100, (2, 12))
     fast = autoopt.optimize(model, (ids,), pass_options={"packed_linear": {"measure": False}})
     record = next(p for p in fast.report.captures[0].passes if p.name == "packed_linear")
-    gm = fast._specializations[0].run
+    gm = fast.specializations[0].graph
     assert aten.linear.default not in _targets(gm)
     # Every linear of the graph before lowering (Q/K/V merged or not, as measured) is packed.
     linears = _targets(portable(gm)).count(aten.linear.default)

@@ -68,7 +68,7 @@ def test_passes_can_be_disabled_by_name() -> None:
     fast = autoopt.optimize(Small().eval(), (torch.randn(4, 8),), disable=["remove_noops"])
     statuses = {r.name: r.status for r in fast.report.captures[0].passes}
     assert statuses["remove_noops"] == "disabled"
-    gm = fast._specializations[0].run
+    gm = fast.specializations[0].graph
     assert aten.dropout.default in [n.target for n in gm.graph.nodes]
 
 

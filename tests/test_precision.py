@@ -20,7 +20,7 @@ from autoopt import precision as precision_settings
 from autoopt.errors import ConfigError
 from autoopt.passes import PassContext
 from autoopt.passes.graph import attr
-from autoopt.passes.precision import cast_precision, choose, masked_variants
+from autoopt.passes.precision import DEFAULT_TOLERANCE, cast_precision, choose, masked_variants
 from autoopt.verify import _leaves, input_sets
 
 aten = torch.ops.aten
@@ -232,7 +232,7 @@ def test_padded_batch_stays_within_tolerance_in_bf16(disable: tuple[str, ...]) -
     assert "beyond what bf16 holds" in kept["mul"]  # the mask itself stays fp32
     # Where attention takes it as an argument, the mask enters bf16 clamped to bf16's range,
     # which still swamps every score: a fully padded row attends uniformly, as in fp32.
-    graph = fast._specializations[0].run.graph
+    graph = fast.specializations[0].graph.graph
     fused = any(n.target == aten.scaled_dot_product_attention.default for n in graph.nodes)
     assert summary.clamped == int(fused)
 
@@ -246,7 +246,7 @@ def test_additive_mask_keeps_attention_in_fp32_under_fp16() -> None:
     assert summary is not None and summary.low_ops >= 1, str(fast.report)
     with torch.no_grad():
         assert_within(model(x, _padded(mask)), fast(x, _padded(mask)), 1e-2)
-    graph = fast._specializations[0].run.graph
+    graph = fast.specializations[0].graph.graph
     for node in graph.nodes:
         if node.target == aten.scaled_dot_product_attention.default:
             assert node.meta["val"].dtype == torch.float32
@@ -259,13 +259,13 @@ def test_masked_fill_beyond_the_low_dtype_is_kept_in_fp32(precision: str, fill: 
     # The fill value made the pass raise ("value cannot be converted to type c10::BFloat16
     # without overflow") and the whole model stayed fp32 with only a warning.
     model, x, mask = FilledMask(fill).eval(), torch.randn(2, 6, 16), torch.ones(2, 6)
-    tolerance = precision_settings.DEFAULT_TOLERANCE[precision]
+    tolerance = DEFAULT_TOLERANCE[precision]
     fast = autoopt.optimize(model, (x, mask), precision=precision)
     assert not fast.report.warnings, fast.report.warnings
     summary = fast.report.captures[0].precision
     assert summary is not None and summary.low_ops == 3, str(fast.report)  # q, both matmuls
     assert "beyond what" in {k.node: k.why for k in summary.kept}["masked_fill"]
-    graph = fast._specializations[0].run.graph
+    graph = fast.specializations[0].graph.graph
     (fill_node,) = [n for n in graph.nodes if n.target == aten.masked_fill.Scalar]
     assert fill_node.meta["val"].dtype == torch.float32 and fill_node.args[2] == fill
     with torch.no_grad():
@@ -475,7 +475,7 @@ def test_int8_quantizes_bert_linears_within_tolerance() -> None:
                             disable=("merge_linear",))
     summary = fast.report.captures[0].precision
     assert summary is not None and summary.precision == "int8" and summary.low_ops == 13
-    graph = fast._specializations[0].run.graph
+    graph = fast.specializations[0].graph.graph
     assert not [n for n in graph.nodes if n.target == aten.linear.default]
     assert_fresh_inputs_within(model, fast, args, kwargs, 5e-2)
 
@@ -524,12 +524,13 @@ def test_tolerance_needs_a_precision_and_a_sensible_value() -> None:
 
 def test_precision_config_sets_verification_tolerance_and_rebuilds_cleanly() -> None:
     cfg = autoopt.OptimizeConfig(precision="bf16", tolerance=1e-2)
-    assert cfg.tolerances[torch.float32] == autoopt.Tolerance(rtol=0.0, atol=1e-2)
-    assert cfg.pass_options["precision"] == {"precision": "bf16", "tolerance": 1e-2}
+    assert cfg.verification_tolerances[torch.float32] == autoopt.Tolerance(rtol=0.0, atol=1e-2)
+    assert cfg.resolved_pass_options["precision"] == {"precision": "bf16", "tolerance": 1e-2}
+    assert cfg.tolerances == {} and cfg.pass_options == {}  # the config is as given
     looser = autoopt.OptimizeConfig.build(cfg, {"tolerance": 3e-2})
-    assert looser.tolerances[torch.float32].atol == 3e-2
+    assert looser.verification_tolerances[torch.float32].atol == 3e-2
     off = autoopt.OptimizeConfig.build(looser, {"tolerance": None, "precision": None})
-    assert off.tolerances == {} and "precision" not in off.pass_options
+    assert off.verification_tolerances == {} and "precision" not in off.resolved_pass_options
 
 
 def test_int8_training_is_rejected() -> None:

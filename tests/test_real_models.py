@@ -29,7 +29,7 @@ def test_real_model_is_verified_and_matches_eager(name: str) -> None:
     assert_bit_identical(model, before)
     # Every whole-graph node that produces a value carries its shape and dtype.
     if capture.method == "export":
-        gm = fast._specializations[0].run
+        gm = fast.specializations[0].graph
         for node in gm.graph.nodes:
             if node.op in ("placeholder", "call_function", "get_attr") and node.users:
                 assert "val" in node.meta, node.format_node()

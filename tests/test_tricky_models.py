@@ -220,7 +220,7 @@ def test_dynamic_batch_dimension_serves_other_batch_sizes_from_one_graph() -> No
     calls = [((x(4, 8),), {}), ((x(7, 8),), {}), ((x(1, 8),), {})]
     fast = run_side_by_side(model, calls, dynamic_shapes=({0: batch},))
     assert len(fast.report.captures) == 1
-    assert "?" in fast.report.captures[0].inputs or fast._specializations[0].signature.leaves[
+    assert "?" in fast.report.captures[0].inputs or fast.specializations[0].signature.leaves[
         0].shape[0] is None
 
 

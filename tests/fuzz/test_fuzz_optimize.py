@@ -71,7 +71,7 @@ def test_optimize_matches_eager_or_falls_back(case: FuzzCase) -> None:
 
 
 def _graph_codes(fast: autoopt.OptimizedModule) -> list[str]:
-    return [spec.run.code for spec in fast._specializations if spec.method == "export"]
+    return [spec.graph.code for spec in fast.specializations if spec.method == "export"]
 
 
 @settings(max_examples=max(1, settings.default.max_examples // 9))
