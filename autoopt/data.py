@@ -94,10 +94,19 @@ class Prefetcher:
         self.depth = depth
         # Weak: a pass the consumer has dropped (a break) must be free to be collected.
         self._active: weakref.WeakSet[PrefetchIterator] = weakref.WeakSet()
+        self._threads: list[tuple[threading.Thread, threading.Event]] = []  # (producer, stop)
 
     def __iter__(self) -> PrefetchIterator:
+        # A pass stopped by a break may still be inside the loader's next(). A DataLoader with
+        # persistent workers gives the new pass that same iterator, which two threads must not
+        # read at once: the stopped pass finishes first.
+        for thread, stop in self._threads:
+            if stop.is_set():
+                thread.join(timeout=10.0)
+        self._threads = [(t, stop) for t, stop in self._threads if t.is_alive()]
         it = PrefetchIterator(iter(self.loader), self.device, self.depth)
         self._active.add(it)
+        self._threads.append((it.thread, it._stop))
         return it
 
     def __len__(self) -> int:

@@ -163,6 +163,23 @@ def test_break_out_of_a_plain_for_loop_ends_the_thread_workers_and_generator() -
     assert _new_threads(before) == []
 
 
+def test_persistent_workers_are_left_to_the_loader_across_passes() -> None:
+    """The loader hands every pass the same iterator; a pass left by a break may still be
+    inside its next() when the following pass starts, and must finish first: two threads
+    reading one iterator would steal each other's batches."""
+    loader = DataLoader(_Numbered(40, delay_s=0.005), batch_size=4, num_workers=1,
+                        persistent_workers=True)
+    batches = prefetch(loader, depth=2)
+    for _ in range(3):
+        for i, (_, y, _) in enumerate(batches):
+            assert y.tolist() == list(range(4 * i, 4 * i + 4))
+            if i == 1:
+                break
+    assert len(_children(0.5)) == 1  # the loader's own worker, kept for its next pass
+    del batches, loader
+    assert _children() == []
+
+
 def test_an_exception_in_the_loop_body_ends_the_pass() -> None:
     before = set(threading.enumerate())
     with pytest.raises(ValueError, match="training step failed"):
