@@ -226,7 +226,7 @@ def _tie(stages: list[GraphModule], rank: int,
     groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
     tied = []
     for name, ranks in shared_parameters(stages):
-        if rank not in ranks:
+        if rank not in ranks or not stages[ranks[0]].get_parameter(name).requires_grad:
             continue
         if ranks not in groups:
             groups[ranks] = group if len(ranks) == world else dist.new_group(

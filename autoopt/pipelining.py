@@ -120,6 +120,8 @@ def check_mergeable_outputs(inputs: Sequence[Any], outputs: Sequence[Any], micro
         return
     batch = next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0),
                  None)
+    if batch is None:  # inputs without traced values: nothing to tell the batch by
+        return
     for i, value in enumerate(outputs):
         if not isinstance(value, torch.Tensor) or (value.dim() > 0 and value.shape[0] == batch):
             continue
