@@ -526,9 +526,10 @@ def plan_stages(gm: GraphModule, inputs: Sequence[Any], devices: Sequence[Device
     the reason."""
     cost_model = cost_model or CostModel("cpu")
     # gm holds the model's own parameters and buffers (under ``distributed_pipeline``, the
-    # caller's model): the profiling and stage-timing runs below must not move BatchNorm
-    # statistics or counters, on this rank or in the stages built from gm afterwards.
-    with preserved(gm):
+    # caller's model), and the inputs are views of the caller's example: the profiling and
+    # stage-timing runs below must change neither (BatchNorm statistics, counters, in-place
+    # writes), on this rank or in the stages built from gm afterwards.
+    with preserved(gm, list(inputs)):
         cost = (cost_model.profile(gm, list(inputs), training=training, in_model=True)
                 if measure else cost_model.predict(gm))
         try:
@@ -547,7 +548,7 @@ def stage_seconds(gm: GraphModule, plan: Partition, inputs: Sequence[Any],
     previous stages' outputs), on the cost model's device."""
     values = list(inputs)
     seconds = []
-    with torch.no_grad(), preserved(gm):
+    with torch.no_grad(), preserved(gm, values):
         for stage in emit_stages(gm, plan):
             seconds.append(cost_model.measure(stage, values, repeats=repeats))
             values = list(stage(*values))
@@ -612,7 +613,7 @@ def pipeline_module(optimized: OptimizedModule, args: tuple[Any, ...], kwargs: d
     """``optimize``'s hook for ``devices=``: capture and optimize at the microbatch's shapes,
     partition into one stage per device, check the pipeline against eager on the example
     inputs, and return it (with the optimizer's ``report``)."""
-    config = optimized._config
+    config = optimized.config
     devices = list(config.devices or ())
     micro_flat = split_microbatches(pytree.tree_leaves((args, kwargs)), config.microbatches)[0]
     spec = pytree.tree_structure((args, kwargs))
@@ -635,11 +636,14 @@ def pipeline_module(optimized: OptimizedModule, args: tuple[Any, ...], kwargs: d
     pipe = pipeline_from_graph(gm, plan, config.microbatches)
     pipe.report = optimized.report
     if config.verify:
-        with torch.no_grad(), preserved(optimized.module, pipe):
+        # Both runs start from the caller's inputs as given (a forward may write them in
+        # place), and neither leaves a trace on them, the model or the stages.
+        with torch.no_grad(), preserved(optimized.module, pipe, args, kwargs):
             torch.manual_seed(0)
-            expected = optimized.module(*args, **kwargs)
+            with preserved(args, kwargs):
+                expected = optimized.module(*args, **kwargs)
             torch.manual_seed(0)
-            result = compare(expected, pipe(*args, **kwargs), config.tolerances)
+            result = compare(expected, pipe(*args, **kwargs), config.verification_tolerances)
         if not result.ok:
             raise ModelError(f"the pipeline over {config.microbatches} microbatches differs "
                              f"from eager ({result.detail}): the model's function depends on "

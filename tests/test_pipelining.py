@@ -481,6 +481,29 @@ def test_building_a_pipeline_leaves_the_model_and_its_stages_as_they_were(traini
         assert torch.equal(buffer, before[f"buffer:{name}"]), name
 
 
+class _WritesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.add_(1)
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_building_a_pipeline_leaves_the_inputs_as_given() -> None:
+    """A forward that writes its input: the planning runs and the check against eager ran it
+    on the caller's tensor (the pipeline saw x + 1 where eager had seen x, and the check
+    failed blaming BatchNorm), and left it changed."""
+    model, x = _WritesItsInput().eval(), torch.zeros(4, 4)
+    pipe = autoopt.optimize(model, (x,), devices=["cpu", "cpu"], microbatches=2)
+    assert torch.equal(x, torch.zeros(4, 4))
+    with torch.no_grad():
+        expected = model(x.clone())
+        torch.testing.assert_close(pipe(x), expected)
+    assert torch.equal(x, torch.ones(4, 4))  # the call itself writes it, as eager does
+
+
 class _Reduced(nn.Module):
     def __init__(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
