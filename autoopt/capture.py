@@ -1,7 +1,7 @@
 """Turn an ``nn.Module`` and example inputs into an FX ``GraphModule`` whose every value node
 carries ``meta["val"]`` (a fake tensor with shape, dtype, device and strides).
 
-Two whole-graph methods, tried in this order by ``autoopt.api``:
+Two whole-graph methods, tried in this order by ``autoopt.specialize``:
 
 - ``export``: ``torch.export`` in non-strict mode, ATen-level graph, parameters as attributes,
   input guards kept. Dynamic dimensions come from ``dynamic_shapes`` or ``dynamic=True``.

@@ -183,7 +183,7 @@ class Diagnosis:
         """``optimize`` with ``kwargs``, then the workload diagnosed on the result (through
         ``prefetch`` where data loading is a cause): the module, its diagnosis, and whether
         prefetch was used."""
-        from .api import optimize
+        from .build import build as optimize
 
         w = self.workload
         assert w is not None
@@ -504,8 +504,8 @@ def _profile_ops(w: _Workload, batches: Iterator[Any], steps: int, progress: Pro
 
 def _roofline(w: _Workload, progress: Progress) -> GraphCost | None:
     """The cost model's per-node profile of the model's graph, or None if it has none."""
-    from .api import OptimizedModule
     from .capture import export_graph, flat_example_inputs
+    from .module import OptimizedModule
 
     args, kwargs = w.example()
     # An OptimizedModule: the graph it runs, else its private copy of the model is exported.

@@ -25,10 +25,10 @@ def save_program(optimized: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any
     """
     # The inference graph (an eval model is captured under no_grad).
     with torch.no_grad():
-        graph = optimized.graph_for(tuple(args), dict(kwargs))
-    if not isinstance(graph, GraphModule):
-        methods = sorted({s.method for s in optimized.specializations if s.graph is None})
-        raise ModelError(f"cannot save: the model was captured by {' / '.join(methods)!r}, "
+        served = optimized.specialization_for(tuple(args), dict(kwargs))
+    graph = served.graph
+    if not isinstance(graph, GraphModule) or served.method != "export":
+        raise ModelError(f"cannot save: the model was captured by {served.method!r}, "
                          "not as one whole graph, so there is no single program to write. "
                          "Make the model exportable (see the report's capture attempts).")
     gm = portable(graph)

@@ -84,7 +84,7 @@ def collect(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] |
         progress: wraps long loops, ``(iterable, description) -> iterable``.
         **options: ``optimize`` options.
     """
-    from .api import optimize
+    from .build import build as optimize
 
     kwargs = dict(kwargs or {})
     progress = progress or (lambda it, desc: it)

@@ -197,7 +197,9 @@ def export_onnx(model_or_optimized: nn.Module, example_inputs: Any, path: str | 
         >>> report = autoopt.export_onnx(resnet, (x,), "resnet.onnx", dynamic="batch")
         >>> print(report)
     """
-    from .api import OptimizedModule, check_inputs, optimize
+    from .build import build as optimize
+    from .build import check_inputs
+    from .module import OptimizedModule
 
     start = time.perf_counter()
     onnx = require("onnx", "ONNX export", "pip install onnx onnxscript")
@@ -433,8 +435,9 @@ def _dynamic_shapes(forward: Any, args: tuple[Any, ...], kwargs: Mapping[str, An
 def _whole_graph(optimized: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                  expected: Any) -> tuple[GraphModule, str]:
     """The optimized graph module ``optimized`` runs for these inputs (as ``save_program``)."""
-    graph = optimized.graph_for(args, kwargs)
-    if not isinstance(graph, GraphModule):
+    specialization = optimized.specialization_for(args, kwargs)
+    graph, served = specialization.graph, specialization.method
+    if not isinstance(graph, GraphModule) or served != "export":
         unregistered = _unregistered_dataclass(expected)
         if unregistered is not None:
             name = unregistered.__name__
@@ -445,13 +448,12 @@ def _whole_graph(optimized: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                              f"dict.")
         attempts = "; ".join(f"{m}: {why}" for c in optimized.report.captures
                              for m, why in c.attempts)
-        method = optimized.report.captures[-1].method if optimized.report.captures else "none"
+        method = served
         raise ModelError(f"cannot export to ONNX: the model was captured by {method!r}, "
                          f"not as one whole graph by torch.export, so there is no single graph "
                          f"to write. Make the model exportable with torch.export "
                          f"(capture attempts: {attempts or 'none recorded'}).")
-    method = next(s.method for s in optimized.specializations if s.graph is graph)
-    return portable(graph), method
+    return portable(graph), served
 
 
 def _unregistered_dataclass(value: Any) -> type | None:

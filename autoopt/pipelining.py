@@ -40,7 +40,7 @@ from .state import preserved
 from .verify import compare
 
 if TYPE_CHECKING:
-    from .api import OptimizedModule
+    from .module import OptimizedModule
 
 log = logging.getLogger(__name__)
 

@@ -238,3 +238,31 @@ def test_report_names_the_modes_asked() -> None:
     with pytest.raises(autoopt.ConfigError, match=r"no plan with modes recompute \(and keep"):
         autoopt.optimize(model, (torch.randn(32, 16),), training=True, memory_budget=100,
                          memory_modes=("recompute",))
+
+
+def test_a_plan_that_changes_the_function_is_an_error_not_a_silent_fallback(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory plan is a checked step of the driver: a plan that fails verification used to
+    read as "captured graph differs from eager" and the capture fell through to Dynamo, where
+    no plan applies, so the budget the user asked for was dropped."""
+    import autoopt.specialize as specialize
+    from autoopt.pipeline import copy_graph_module
+
+    real = specialize.memory_lib.apply_memory_budget
+
+    def broken(gm, ctx, budget, modes=None):  # type: ignore[no-untyped-def]
+        planned, plan = real(gm, ctx, budget, modes)
+        planned = copy_graph_module(planned)  # the plan may keep gm itself: leave gm intact
+        output = next(n for n in planned.graph.nodes if n.op == "output")
+        (result,) = output.args[0] if isinstance(output.args[0], (tuple, list)) else (
+            output.args[0],)
+        with planned.graph.inserting_before(output):
+            doubled = planned.graph.call_function(torch.mul, (result, 2.0))
+        output.replace_input_with(result, doubled)
+        planned.recompile()
+        return planned, plan
+
+    monkeypatch.setattr(specialize.memory_lib, "apply_memory_budget", broken)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).train()
+    with pytest.raises(autoopt.ConfigError, match="memory plan changes what the model computes"):
+        autoopt.optimize(model, (torch.randn(4, 8),), memory_budget="1MiB")

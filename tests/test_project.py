@@ -72,3 +72,78 @@ def test_readme_quick_start_runs_as_written() -> None:
                           timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "capture: export" in done.stdout and "folded_bn=20" in done.stdout
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the installed namespace, by dotted name, from the three folders."""
+    found: dict[str, Path] = {}
+    for package, folder in (("autoopt", "autoopt"), ("autoopt.passes", "passes"),
+                            ("autoopt.cost_model", "cost_model")):
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = [package, *path.relative_to(ROOT / folder).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules ``name`` imports, lazily or not (``from . import x`` counts as x)."""
+    base = name if path.stem == "__init__" else name.rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                parts = base.split(".")
+                parent = ".".join(parts[: len(parts) - (node.level - 1)])
+                module = f"{parent}.{module}" if node.module else parent
+            for alias in node.names:
+                sub = f"{module}.{alias.name}"
+                out.add(sub if sub in modules else module)
+        elif isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+    return {m for m in out if m in modules and m != name}
+
+
+def test_no_import_cycle_inside_autoopt_lazy_imports_included() -> None:
+    import networkx as nx
+
+    modules = _modules()
+    graph = nx.DiGraph()
+    for name, path in modules.items():
+        graph.add_edges_from((name, other) for other in _imports(name, path, modules))
+    cycles = sorted(nx.simple_cycles(graph), key=len)
+    assert not cycles, f"import cycles: {cycles[:5]}"
+
+
+def test_only_the_defining_module_reads_optimized_modules_privates() -> None:
+    """Features and tests use ``config``, ``specializations``, ``graph_for``, ``is_dynamic``:
+    an underscore attribute of ``OptimizedModule`` read anywhere else is a reach into its
+    implementation."""
+    import torch.nn as nn
+
+    source = ROOT / "autoopt" / "module.py"
+    cls = next(n for n in ast.parse(source.read_text()).body
+               if isinstance(n, ast.ClassDef) and n.name == "OptimizedModule")
+    private = {n.name for n in ast.walk(cls) if isinstance(n, ast.FunctionDef)}
+    private |= {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute)
+                and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    private = {n for n in private if n.startswith("_") and not n.startswith("__")
+               and not hasattr(nn.Module, n)}
+    assert {"_specializations", "_config", "_find"} <= private
+    offenders = []
+    for folder in ("autoopt", "passes", "cost_model", "tests", "bench"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path == source:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                # self._x inside another class is that class's own attribute.
+                if (isinstance(node, ast.Attribute) and node.attr in private
+                        and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").endswith(
+                        ("api", "module")) and any(a.name.startswith("_") for a in node.names):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} imports a private")
+    assert not offenders, offenders

@@ -1,0 +1,308 @@
+"""The module ``optimize`` returns: calls routed to the graph compiled for their inputs.
+
+``OptimizedModule`` keeps one ``Compiled`` form per input signature (``autoopt.specialize``
+makes them) and, on every call, checks what the graphs assume beyond the inputs: which tensors
+the parameters are, their values, the Python attributes traced in (``autoopt.watch``). A call
+that breaks an assumption is captured again or runs eagerly, never replayed on a stale graph.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+from . import cuda_graphs
+from .config import OptimizeConfig
+from .cost_model import CostModel
+from .guards import InputSignature, current_modes, signature_of
+from .report import Report
+from .specialize import Capturer, Compiled, model_device
+from .verify import clone_inputs
+from .watch import ModuleWatch
+
+
+@dataclass(frozen=True)
+class Specialization:
+    """A read-only record of one compiled form of the model (``OptimizedModule.
+    specializations``).
+
+    Args:
+        signature: the inputs and modes it serves; None: any call (Dynamo guards its own,
+            or the model runs eagerly).
+        method: how it was captured: ``export``, ``symbolic_trace``, ``dynamo`` or ``eager``.
+        graph: the optimized whole graph that runs (a ``symbolic_trace`` graph takes every
+            forward argument positionally); None for Dynamo and eager.
+        backend: what executes it: ``aten`` (the graph's own kernels, lowered ones
+            included), ``cuda_graph`` (replayed as one CUDA graph), ``dynamo`` or ``eager``.
+    """
+
+    signature: InputSignature | None
+    method: str
+    graph: GraphModule | None
+    backend: str
+
+
+class OptimizedModule(nn.Module):
+    """The module ``optimize`` returns.
+
+    Calls are routed to the graph captured for the call's input signature; a new signature is
+    captured, optimized and verified on first use (up to ``max_specializations``, then it
+    runs eagerly). ``report`` says what was done. ``module`` is autoopt's private copy of the
+    original model (parameters live there and are shared with the graphs).
+
+    Public surface for tools built on it: ``config``, ``is_dynamic``, ``specializations``,
+    ``specialization_for(args, kwargs)``, ``graph_for(args, kwargs)`` and
+    ``specialize(args, kwargs)``.
+    """
+
+    def __init__(self, module: nn.Module, config: OptimizeConfig, *, dynamic: bool = False,
+                 dynamic_shapes: Any = None, shares_weights: bool = False) -> None:
+        super().__init__()
+        self.module = module
+        # Whether ``module``'s parameters and buffers are views of the user's tensors.
+        self._shares_weights = shares_weights
+        self.report = Report()
+        self._config = config
+        self._dynamic = dynamic
+        self._dynamic_shapes = dynamic_shapes
+        self._specializations: list[Compiled] = []
+        self._submodules = list(module.modules())  # for the train/eval flags checked per call
+        self._parameters_list = list(module.parameters())  # for requires_grad, checked too
+        # Measures nothing until a pass asks; measurements persist in the on-disk cache.
+        self.cost_model = CostModel(model_device(module) or "cpu")
+        self._capturer = Capturer(module, config, self.cost_model, self.report,
+                                  dynamic=dynamic, dynamic_shapes=dynamic_shapes)
+        # What the graphs assume of the module beyond its inputs: which tensors, their
+        # values, the Python attributes traced into them.
+        self._watch = ModuleWatch(module)
+        # Captures (and the bookkeeping of the graph list) one thread at a time; replaying a
+        # graph that exists takes no lock.
+        self._lock = threading.RLock()
+        # load_state_dict(assign=True) replaces the tensors themselves, which no stamp sees;
+        # and a load must not write into the user's tensors.
+        module.register_load_state_dict_pre_hook(self._before_load)
+        module.register_load_state_dict_post_hook(self._weights_loaded)
+
+    # --- public surface ----------------------------------------------------------------------
+
+    @property
+    def config(self) -> OptimizeConfig:
+        """The options it was optimized with."""
+        return self._config
+
+    @property
+    def is_dynamic(self) -> bool:
+        """Whether graphs keep some dimensions symbolic (``dynamic=True`` or
+        ``dynamic_shapes=``)."""
+        return bool(self._dynamic) or self._dynamic_shapes is not None
+
+    @property
+    def specializations(self) -> tuple[Specialization, ...]:
+        """What has been compiled so far, one record per input signature."""
+        return tuple(Specialization(s.signature, s.method, s.graph, _backend(s))
+                     for s in self._specializations)
+
+    def specialization_for(self, args: Any = (), kwargs: Mapping[str, Any] | None = None,
+                           ) -> Specialization:
+        """The compiled form a call with these inputs runs, in the current grad mode
+        (captured now if none serves them yet)."""
+        args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
+        kwargs = dict(kwargs or {})
+        spec = self._find(args, kwargs) or self.specialize(args, kwargs)
+        return Specialization(spec.signature, spec.method, spec.graph, _backend(spec))
+
+    def graph_for(self, args: Any = (), kwargs: Mapping[str, Any] | None = None,
+                  ) -> GraphModule | None:
+        """The optimized whole graph a call with these inputs runs (see
+        ``specialization_for``); None where the model runs through Dynamo or eagerly."""
+        return self.specialization_for(args, kwargs).graph
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        specs = self._specializations
+        if specs and any(s.signature is not None for s in specs):
+            if self._watch.replaced():
+                # Other tensors sit in the module's slots than the graphs hold.
+                if not self._watch.reassigned():
+                    # Swapped in for this call (torch.func.functional_call, stateless
+                    # reparametrization): eager reads them where they are.
+                    return self._run_reparametrized(args, kwargs)
+                self._retrack()  # assigned for good (module.weight = Parameter(...))
+                specs = ()
+            elif self._watch.attributes_changed():
+                self._drop_graphs(lambda s: s.signature is not None,
+                                  "a Python attribute of the model changed after capture (a "
+                                  "graph replays the value it traced): its graphs are "
+                                  "captured again on their next call")
+            if any(s.stamp is not None for s in specs):
+                self._drop_stale_graphs()
+        spec = self._find(args, kwargs)
+        if spec is None:
+            with self._lock:  # another thread may have captured it meanwhile
+                spec = self._find(args, kwargs) or self.specialize(args, kwargs)
+        if spec.writes_buffers and spec.stamp is not None:
+            return self._run_writing(spec, args, kwargs)
+        return spec.run(*args, **kwargs)
+
+    def _run_writing(self, spec: Compiled, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> Any:
+        """A graph that updates BatchNorm statistics (train mode under ``no_grad``, as in
+        ``swa_utils.update_bn``): its own writes leave it current, so it is not captured anew
+        on every call."""
+        out = spec.run(*args, **kwargs)
+        with self._lock:
+            stamp = self._watch.stamp()
+            for other in self._specializations:
+                if other.stamp == spec.stamp:
+                    other.stamp = stamp
+            self._watch.take_fingerprint()
+        return out
+
+    # --- weights written after capture ----------------------------------------------------
+
+    def _run_reparametrized(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        note = ("parameters or buffers were replaced by other tensors (functional_call, "
+                "attribute assignment): calls with them run eagerly")
+        if note not in self.report.warnings:
+            self.report.warnings.append(note)
+        return self.module(*args, **kwargs)
+
+    def _drop_graphs(self, which: Callable[[Compiled], bool], note: str) -> None:
+        with self._lock:
+            self._specializations = [s for s in self._specializations if not which(s)]
+            self._watch.refresh_attributes()
+            if note not in self.report.warnings:
+                self.report.warnings.append(note)
+
+    def _drop_stale_graphs(self) -> None:
+        stamp = self._watch.stamp()
+        rewritten = self._watch.fingerprint_changed()
+        stale = [s for s in self._specializations
+                 if s.stamp is not None and (s.stamp != stamp or rewritten)]
+        if stale:
+            self._drop_graphs(lambda s: s in stale,
+                              "parameters or buffers were written after an inference capture "
+                              "(training, load_state_dict, in-place or .data edits): graphs "
+                              "whose folded or packed constants came from the old values are "
+                              "captured again on their next call")
+            with self._lock:
+                self._watch.take_fingerprint()
+
+    def _unshare(self) -> None:
+        """Give the private module its own copy of the weights it shares with the user's
+        model, before anything writes them (a training step, BatchNorm statistics, a load).
+
+        Each tensor keeps its identity and takes new storage holding the same values: an
+        optimizer built on ``fast.parameters()`` stays valid, and so do the graphs, which
+        hold these tensors. They keep the user's version counters, so an in-place write to
+        the user's model still drops graphs built from the values it had."""
+        if not self._shares_weights:
+            return
+        self._shares_weights = False
+        done: set[int] = set()
+        for m in self.module.modules():
+            for t in (*m._parameters.values(), *m._buffers.values()):
+                if t is not None and id(t) not in done:
+                    done.add(id(t))
+                    t.data = t.data.clone()
+        self._watch.take_fingerprint()  # new memory, the same values
+
+    def _before_load(self, *args: Any, **kwargs: Any) -> None:
+        self._unshare()
+
+    def _weights_loaded(self, module: nn.Module, incompatible: Any) -> None:
+        if self._watch.replaced():  # assign=True: graphs holding the old tensors are stale
+            self._retrack()
+        else:
+            self._specializations = [s for s in self._specializations if s.stamp is None]
+
+    def _retrack(self) -> None:
+        """Forget every graph; watch the tensors and attributes the module holds now."""
+        with self._lock:
+            self._specializations = []
+            self._parameters_list = list(self.module.parameters())
+            self._watch.refresh_tensors()
+            self._watch.refresh_attributes()
+
+    def _find(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Compiled | None:
+        modes = current_modes(self.module, self._submodules, self._parameters_list)
+        for spec in self._specializations:
+            if spec.signature is None or spec.signature.matches(args, kwargs, modes):
+                return spec
+        return None
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> OptimizedModule:
+        # .to(), .half(), .cuda(): graphs may hold device- or dtype-specific constants, so
+        # they are dropped and captured again on the next call.
+        super()._apply(fn, recurse)
+        self._retrack()  # moved buffers are new tensors
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Graphs hold kernels bound to this process (packed weights, oneDNN handles): a saved
+        # module keeps the model, the options and the report, and captures again on load.
+        state = dict(self.__dict__)
+        state["_specializations"] = []
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # The watch's snapshot was copied with the module, so it names the copied tensors.
+        super().__setstate__(state)
+        self._lock = threading.RLock()
+
+    def specialize(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Compiled:
+        """Capture, optimize and verify for this input signature; record it in ``report``.
+
+        Capture, measuring and verification run on copies of the inputs (a forward may write
+        them) and leave the module's buffers, Python attributes and the global RNG as they
+        were; one thread at a time."""
+        kwargs = dict(kwargs)
+        with self._lock:
+            if len(self._specializations) >= self._config.max_specializations:
+                return self._eager_beyond_limit(args, kwargs)
+            if torch.is_grad_enabled() or any(m.training for m in self._submodules):
+                self._unshare()  # a training capture writes weights, a train-mode one stats
+            devices = [d.index for d in {t.device for t in self._watch.tensors}
+                       if d.type == "cuda" and d.index is not None]
+            before = self._watch.stamp()
+            with torch.random.fork_rng(devices=sorted(devices)):
+                spec = self._capturer.capture(*clone_inputs(args, kwargs))
+            if spec.signature is None:
+                self._unshare()  # Dynamo's module or eager: serves any later call, training too
+            # Verification puts back the buffers it ran through (in place): autoopt's own
+            # writes leave every graph that was current, current.
+            after = self._watch.stamp()
+            for other in self._specializations:
+                if other.stamp == before:
+                    other.stamp = after
+            if spec.method != "eager" and not torch.is_grad_enabled():
+                spec.stamp = after
+                spec.writes_buffers = any(m.training for m in self._submodules)
+            self._specializations.append(spec)
+            self._watch.take_fingerprint()
+            return spec
+
+    def _eager_beyond_limit(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                            ) -> Compiled:
+        limit = self._config.max_specializations
+        message = (f"{limit} input signatures captured (max_specializations); new ones run "
+                   f"eagerly. Pass dynamic=True to let shapes vary in one graph.")
+        if message not in self.report.warnings:
+            self.report.warnings.append(message)
+            warnings.warn(f"autoopt: {message}", stacklevel=3)
+        return Compiled(signature_of(args, kwargs, self.module), "eager", self.module)
+
+
+def _backend(spec: Compiled) -> str:
+    if spec.method in ("dynamo", "eager"):
+        return spec.method
+    return "cuda_graph" if isinstance(spec.run, cuda_graphs.CudaGraphRunner) else "aten"
+
+

@@ -1,0 +1,335 @@
+"""Capture, optimize and verify a module for one input signature.
+
+``Capturer.capture`` tries the capture methods in the config's order (``torch.export``, then
+``torch.fx.symbolic_trace``, then Dynamo), runs the pass driver on each whole graph with
+verification and rollback, applies the memory plan and CUDA graphs as checked steps, and
+returns a ``Compiled``: what to run and the signature it serves. Every run it makes of the
+model works on copies of the inputs and leaves the module's state as it found it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+from . import capture as capture_lib
+from . import cuda_graphs
+from . import memory as memory_lib
+from .backend import autoopt_backend
+from .config import OptimizeConfig
+from .cost_model import CostModel
+from .errors import ConfigError, ModelError
+from .guards import InputSignature, current_modes, needs_gradients, signature_of
+from .passes import PassContext
+from .pipeline import run_pipeline
+from .report import CaptureRecord, PassRecord, Report
+from .state import has_hooks, preserved, python_state, uses_custom_autograd
+from .verify import VerifyResult, _leaves, check_all, clone_inputs, gradients, input_sets
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Compiled:
+    """A compiled form of the model and the inputs it may be called with (None: any)."""
+
+    signature: InputSignature | None
+    method: str
+    run: Callable[..., Any]
+    graph: GraphModule | None = None  # the optimized whole graph ``run`` executes, if one
+    # For an inference capture, the weights' stamp (``ModuleWatch.stamp``) its constants
+    # were computed at: folded BatchNorms, merged and packed weights are copies, so the graph
+    # is stale once a parameter or buffer is written. None: reads them live.
+    stamp: int | None = None
+    # Whether running it writes the module's buffers (train mode: BatchNorm statistics); its
+    # own writes keep it current.
+    writes_buffers: bool = False
+
+
+def model_device(model: nn.Module) -> torch.device | None:
+    for t in list(model.parameters()) + list(model.buffers()):
+        return t.device
+    return None
+
+
+class Capturer:
+    """Captures ``module`` for one input signature at a time.
+
+    Args:
+        module: autoopt's private copy of the model (never the user's).
+        config: the options.
+        cost_model: what the passes measure with.
+        report: where each capture is recorded.
+        dynamic, dynamic_shapes: dimensions to keep symbolic (``torch.export``'s terms).
+    """
+
+    def __init__(self, module: nn.Module, config: OptimizeConfig, cost_model: CostModel,
+                 report: Report, *, dynamic: bool = False, dynamic_shapes: Any = None) -> None:
+        self.module = module
+        self._config = config
+        self.cost_model = cost_model
+        self.report = report
+        self._dynamic = dynamic
+        self._dynamic_shapes = dynamic_shapes
+
+    def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Compiled:
+        """Try each capture method in ``config.capture`` order on these inputs; the first
+        whose graph verifies wins, else the model runs eagerly. Records it in ``report``."""
+        start = time.perf_counter()
+        record = CaptureRecord(inputs=signature_of(args, kwargs, self.module).describe())
+        self.report.captures.append(record)
+        obstacles = self._probe(args, kwargs)
+        spec = None
+        for method in self._config.capture:
+            if method != "dynamo" and obstacles:
+                record.attempts.append((method, "skipped: " + "; ".join(obstacles)))
+                continue
+            try:
+                spec = getattr(self, f"_{method}")(args, kwargs, record)
+                break
+            except ConfigError:
+                raise  # the user's options (an unmeetable memory_budget): no method helps
+            except Exception as exc:  # noqa: BLE001 - each failure is a reason, not a crash
+                log.info("capture by %s failed: %s", method, exc)
+                record.attempts.append((method, _reason(exc)))
+                # What the failed attempt recorded is not what will run.
+                record.passes, record.verification = [], None
+                record.nodes_before = record.nodes_after = record.subgraphs = 0
+                record.memory_plan = None
+        if spec is None:
+            spec = Compiled(None, "eager", self.module)
+            record.method = "eager"
+            self.report.warnings.append(
+                "no capture method could take the model; it runs eagerly (see attempts)")
+        record.seconds = time.perf_counter() - start
+        if (self._config.memory_budget is not None and torch.is_grad_enabled()
+                and record.memory_plan is None):
+            self.report.warnings.append(
+                f"memory_budget: captured by {record.method}, not as one whole graph, so no "
+                f"memory plan applies; saved activations are eager's")
+        return spec
+
+    def _probe(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+        """Run eagerly once; return why a whole-graph capture could not replay this model."""
+        obstacles = []
+        if has_hooks(self.module):
+            obstacles.append("the model has forward/backward hooks, which a graph would run "
+                             "only once at capture time")
+        with preserved(self.module):
+            before = python_state(self.module)
+            try:
+                probe_args, probe_kwargs = clone_inputs(args, kwargs)
+                out = self.module(*probe_args, **probe_kwargs)
+            except Exception as exc:
+                raise ModelError(f"the model raised {type(exc).__name__} when run eagerly on "
+                                 f"the example inputs: {exc}. Check the inputs' number, shapes "
+                                 f"and dtypes against the model's forward.") from exc
+            changed = sorted(f"{p + '.' if p else ''}{k}" for (p, k), v in
+                             python_state(self.module).items() if before.get((p, k)) != v)
+            if changed:
+                obstacles.append(f"forward changes Python state ({', '.join(changed[:3])})")
+            if torch.is_grad_enabled() and uses_custom_autograd(out):
+                obstacles.append("the model uses a custom autograd.Function, whose backward "
+                                 "a traced graph would drop")
+        return obstacles
+
+    # --- capture methods, tried in config.capture order -----------------------------------
+
+    def _export(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                record: CaptureRecord) -> Compiled:
+        gm = capture_lib.export_graph(self.module, args, kwargs, self._dynamic,
+                                      self._dynamic_shapes)
+        flat = capture_lib.flat_example_inputs(gm, args, kwargs)
+        gm = self._optimize_graph(gm, flat, args, kwargs, record, "export",
+                                  lambda g: g)
+        return Compiled(signature_of(args, kwargs, self.module, gm), "export",
+                               self._cuda_graph(gm, args, kwargs, record), gm)
+
+    def _cuda_graph(self, gm: GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    record: CaptureRecord) -> Callable[..., Any]:
+        """``gm`` replayed as one CUDA graph where that applies and matches eager, else gm."""
+        device = model_device(self.module)
+        if (not self._config.cuda_graphs or device is None or device.type != "cuda"
+                or torch.is_grad_enabled() or self._dynamic or self._dynamic_shapes is not None):
+            return gm
+        # A step of the driver like a pass: recorded, verified, rolled back on a mismatch.
+        start = time.perf_counter()
+        runner, why = cuda_graphs.record(gm, args, kwargs)
+        if why:
+            record.cuda_graph = f"not used: {why}"
+            record.passes.append(PassRecord("cuda_graph", "unchanged", reason=why,
+                                            seconds=time.perf_counter() - start))
+            return gm
+        if self._config.verify:
+            result = self._verify(runner, args, kwargs, gm)
+            if not result.ok:
+                record.cuda_graph = f"not used: its replay differs from eager ({result.detail})"
+                record.passes.append(PassRecord("cuda_graph", "rolled_back", reason=result.detail,
+                                                seconds=time.perf_counter() - start))
+                return gm
+        record.cuda_graph = "recorded"
+        record.passes.append(PassRecord("cuda_graph", "applied",
+                                        seconds=time.perf_counter() - start))
+        return runner
+
+    def _symbolic_trace(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                        record: CaptureRecord) -> Compiled:
+        gm, positional = capture_lib.symbolic_trace_graph(self.module, args, kwargs)
+
+        def adapt(g: GraphModule) -> Callable[..., Any]:
+            return lambda *a, **k: g(*positional(*a, **k))
+
+        gm = self._optimize_graph(gm, positional(*args, **kwargs), args, kwargs, record,
+                                  "symbolic_trace", adapt)
+        return Compiled(signature_of(args, kwargs, self.module), "symbolic_trace",
+                               adapt(gm), gm)
+
+    def _dynamo(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                record: CaptureRecord) -> Compiled:
+        record.method = "dynamo"
+        backend = functools.partial(autoopt_backend, config=self._config, record=record)
+        compiled = torch.compile(self.module, backend=backend,
+                                 dynamic=True if self._dynamic else None)
+        if self._config.verify:
+            result = self._verify(compiled, args, kwargs)
+            record.verification = result
+            if not result.ok:
+                raise _Mismatch(f"compiled module differs from eager: {result.detail}")
+        return Compiled(None, "dynamo", compiled)
+
+    def _optimize_graph(self, gm: GraphModule, flat_inputs: tuple[Any, ...],
+                        args: tuple[Any, ...], kwargs: dict[str, Any], record: CaptureRecord,
+                        method: str, adapt: Callable[[GraphModule], Callable[..., Any]],
+                        ) -> GraphModule:
+        """Verify the captured graph, then run the pass pipeline on it with rollback."""
+        record.method = method
+        verdicts: dict[int, tuple[GraphModule, VerifyResult]] = {}
+        reference: dict[Any, Any] = {}
+
+        def check(candidate: GraphModule) -> VerifyResult:
+            # The driver's final check and ours see the same module: verify it once.
+            if id(candidate) not in verdicts:
+                verdict = self._verify(adapt(candidate), args, kwargs, candidate, reference)
+                verdicts[id(candidate)] = (candidate, verdict)
+            return verdicts[id(candidate)][1]
+
+        record.nodes_before = len(gm.graph.nodes)
+
+        device = model_device(self.module) or torch.device("cpu")
+        # A gradient can flow to a parameter or an input: every op must keep its backward.
+        training = needs_gradients(args, kwargs, current_modes(self.module))
+        ctx = PassContext(flat_inputs, device, training, self.cost_model,
+                          self._config.resolved_pass_options)
+        optimized, records = run_pipeline(gm, self._config.passes, ctx,
+                                          check if self._config.verify else None,
+                                          disabled=self._config.disable,
+                                          debug=self._config.debug)
+        record.passes = records
+        record.nodes_after = len(optimized.graph.nodes)
+        record.precision = optimized.meta.get("precision")  # what the precision pass chose
+        if self._config.memory_budget is not None and training:
+            optimized = self._memory_plan(optimized, ctx, record,
+                                          check if self._config.verify else None)
+        if self._config.verify:
+            # Usually already checked by the driver (memoized). When the result still differs,
+            # every pass was rolled back, so it is the capture that is wrong.
+            record.verification = check(optimized)
+            if not record.verification.ok:
+                raise _Mismatch(f"captured graph differs from eager: "
+                                f"{record.verification.detail}")
+        return optimized
+
+    def _memory_plan(self, gm: GraphModule, ctx: PassContext, record: CaptureRecord,
+                     check: Callable[[GraphModule], VerifyResult] | None) -> GraphModule:
+        """The graph following ``memory_budget``'s plan, after the passes so that the plan
+        prices the graph that runs; checked like a pass. The user asked for the budget, so a
+        plan that changes the function is an error, not a silent fall-back to a capture
+        without it."""
+        start = time.perf_counter()
+        planned, plan = memory_lib.apply_memory_budget(
+            gm, ctx, memory_lib.parse_budget(self._config.memory_budget),
+            self._config.memory_modes)
+        record.memory_plan = plan
+        if check is not None:
+            verdict = check(planned)
+            if not verdict.ok and check(gm).ok:
+                record.passes.append(PassRecord("memory_plan", "rolled_back",
+                                                seconds=time.perf_counter() - start,
+                                                reason=verdict.detail))
+                raise ConfigError(f"memory_budget: the memory plan changes what the model "
+                                  f"computes ({verdict.detail}), so it is not applied; pass "
+                                  f"memory_modes=('keep', 'recompute') (or without the mode "
+                                  f"the plan names) to plan another way.\n{plan.describe()}")
+        record.passes.append(PassRecord("memory_plan", "applied", seconds=time.perf_counter()
+                                        - start))
+        return planned
+
+    def _verify(self, candidate: Callable[..., Any], args: tuple[Any, ...],
+                kwargs: dict[str, Any], state: nn.Module | None = None,
+                reference: dict[Any, Any] | None = None) -> VerifyResult:
+        """Compare ``candidate`` with eager on the example and fresh inputs: outputs, the
+        buffers each leaves behind (BatchNorm statistics in training), what each writes into
+        its inputs and, where a gradient can flow, the gradients of the inputs and parameters.
+        Each run gets its own copy of the inputs. ``reference`` memoizes eager's results per
+        input set across calls (each run starts from the same state and seed, so they do not
+        change)."""
+        reference = {} if reference is None else reference
+        module = self.module
+        holders = [m for m in (module, state) if m is not None]
+        differentiable = needs_gradients(args, kwargs, current_modes(module))
+
+        def run(fn: Callable[..., Any], owner: nn.Module, a: tuple[Any, ...],
+                k: dict[str, Any]) -> Any:
+            a, k = clone_inputs(a, k)
+            with preserved(*holders):
+                torch.manual_seed(0)
+                out = fn(*a, **k)
+                leaves = {p: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                          for p, v in _leaves(out, "output")}
+                leaves.update(_leaves((a, k), "inputs after the call"))
+                if differentiable:
+                    leaves.update(gradients(out, (a, k), module.named_parameters()))
+                buffers = {n: b.detach().clone() for n, b in owner.named_buffers()}
+            return leaves, buffers
+
+        def run_pair(a: tuple[Any, ...], k: dict[str, Any]) -> tuple[Any, Any]:
+            key = (id(a), id(k))  # () is one shared object; the kwargs dicts are not
+            if key not in reference:
+                reference[key] = run(module, module, a, k)
+            expected, expected_buffers = reference[key]
+            actual, actual_buffers = run(candidate, state or module, a, k)
+            common = sorted(expected_buffers.keys() & actual_buffers.keys())
+            return ((expected, {n: expected_buffers[n] for n in common}),
+                    (actual, {n: actual_buffers[n] for n in common}))
+
+        if "sets" not in reference:  # the same input objects each call, so ids key the memo
+            reference["sets"] = input_sets(args, kwargs, self._config.random_inputs)
+        return check_all(run_pair, reference["sets"], self._config.verification_tolerances)
+
+
+
+class _Mismatch(Exception):
+    """A capture produced a graph that is not the model's function; try the next method."""
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0][:240] if text else ""
+    return f"{type(exc).__name__}: {first}" if not isinstance(exc, _Mismatch) else first
+
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0][:240] if text else ""
+    return f"{type(exc).__name__}: {first}" if not isinstance(exc, _Mismatch) else first
+
+
