@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import io
 import json
+import logging
+import os
 import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
+import autoopt
 from autoopt.cli import main
+from autoopt.config import OptimizeConfig
+from autoopt.passes import PASS_NAMES
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
@@ -24,6 +34,7 @@ def test_readme_command_runs_as_installed_console_script() -> None:
     assert done.returncode == 0, done.stderr
     assert "capture: export" in done.stdout
     assert "verification: matched" in done.stdout
+    assert "optimizing" not in done.stderr  # piped: no progress, only the results
 
 
 def test_file_spec_named_inputs_and_save_round_trip(tmp_path: Path,
@@ -213,3 +224,192 @@ def test_profile_needs_a_whole_graph(tmp_path: Path, capsys: pytest.CaptureFixtu
     if not torch.cuda.is_available():
         assert main(["profile", f"{source}:Branchy", "--input", "4", "--device", "cuda"]) == 2
         assert "no CUDA GPU is available" in capsys.readouterr().err
+
+
+# --- what a newcomer meets: progress, options, messages ---------------------------------------
+
+def _fake_optimize(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Replace ``autoopt.api.optimize`` with one that records its arguments, logs as the
+    library does while it works, and returns a report at once."""
+    seen: dict[str, Any] = {}
+
+    def optimize(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 **options: Any) -> SimpleNamespace:
+        seen.update(options, model=model, args=args)
+        logging.getLogger("autoopt.pipeline").info("pass fold_batchnorm")
+        logging.getLogger("autoopt.passes.packed_linear").debug("linear [4, 8]: 3 us vs 4 us")
+        return SimpleNamespace(report="autoopt report (fake)")
+
+    monkeypatch.setattr("autoopt.api.optimize", optimize)
+    return seen
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_terminal_is_a_status_line_erased_at_the_end(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    _fake_optimize(monkeypatch)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["optimize", "torch.nn:Identity", "--input", "2x3"]) == 0
+    shown = terminal.getvalue()
+    assert "\n" not in shown  # one line, redrawn with \r
+    assert "autoopt optimize" in shown and "loading torch.nn:Identity" in shown
+    assert "optimizing: capture, passes, verification" in shown
+    assert "| pass packed_linear: linear" in shown  # the library's records show too
+    assert max(len(line) for line in shown.split("\r")) < 80
+    assert shown.endswith("\r") and shown.rsplit("\r", 2)[-2].strip() == ""  # erased
+    assert capsys.readouterr().out == "autoopt report (fake)\n"
+
+
+def test_progress_with_v_is_timed_lines_and_piped_is_silent(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    _fake_optimize(monkeypatch)
+    assert main(["optimize", "torch.nn:Identity", "--input", "2x3", "-v"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split("] ", 1)[1] for line in err] == [
+        "loading torch.nn:Identity", "optimizing: capture, passes, verification",
+        "pipeline: pass fold_batchnorm"]
+    assert all(line.startswith("[") and "s] " in line for line in err)
+
+    assert main(["optimize", "torch.nn:Identity", "--input", "2x3"]) == 0
+    assert capsys.readouterr().err == ""  # stderr is not a terminal here
+    assert logging.getLogger("autoopt").handlers == []  # nothing left attached
+
+
+def test_new_optimize_options_reach_the_config(monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    seen = _fake_optimize(monkeypatch)
+    assert main(["optimize", "torch.nn:Identity", "--input", "2x3", "--precision", "bf16",
+                 "--disable", "packed_linear,onednn_conv", "--disable", "gelu"]) == 0
+    config = OptimizeConfig.build(None, {k: seen[k] for k in ("precision", "disable",
+                                                               "memory_budget", "verify")})
+    assert config.precision == "bf16"
+    assert config.disable == ("packed_linear", "onednn_conv", "gelu")
+    assert config.memory_budget is None and seen["model"].training is False
+
+    assert main(["optimize", "torch.nn:Identity", "--input", "2x3", "--train",
+                 "--memory-budget", "512MiB"]) == 0
+    assert seen["memory_budget"] == "512MiB" and seen["model"].training is True
+    assert main(["optimize", "torch.nn:Identity", "--input", "2x3", "--train",
+                 "--memory-budget", "0.5"]) == 0
+    assert seen["memory_budget"] == 0.5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--memory-budget", "1GiB"], "--memory-budget limits the activations saved for a training "
+                                  "step; add --train"),
+    (["--train", "--memory-budget", "lots"], "--memory-budget 'lots': memory_budget is bytes"),
+    (["--train", "--memory-budget", "2.5"], "outside (0, 1]"),
+])
+def test_memory_budget_misuse(monkeypatch: pytest.MonkeyPatch,
+                              capsys: pytest.CaptureFixture[str], argv: list[str],
+                              message: str) -> None:
+    _fake_optimize(monkeypatch)
+    assert main(["optimize", "torch.nn:Identity", "--input", "2x3", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_disable_lists_the_passes_and_rejects_unknown_names(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["optimize", "--help"])
+    assert exit_.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert ", ".join(PASS_NAMES) in help_text
+    assert "-v, --verbose print each step" in help_text
+
+    for command in (["optimize"], ["report", "-o", "r.html"]):
+        with pytest.raises(SystemExit) as exit_:
+            main([*command, "torch.nn:Identity", "--input", "2x3", "--disable", "fold_bn"])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert "unknown pass 'fold_bn'; the passes are " + ", ".join(PASS_NAMES) in err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"autoopt {version('autoopt')}\n"
+
+
+def test_optimize_and_export_take_the_same_dynamic_values(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    seen = _fake_optimize(monkeypatch)
+    assert main(["optimize", "torch.nn:Identity", "--input", "2x5:int64",
+                 "--dynamic", "batch", "--dynamic", "sequence"]) == 0
+    assert seen["dynamic"] is False
+    assert seen["dynamic_shapes"] == {"input": {0: torch.export.Dim.DYNAMIC,
+                                                1: torch.export.Dim.DYNAMIC}}
+    assert main(["optimize", "torch.nn:Identity", "--input", "2x5", "--dynamic", "sequence"]) == 0
+    assert seen["dynamic_shapes"] == {"input": None}  # float inputs have no sequence dimension
+    assert main(["optimize", "torch.nn:Identity", "--input", "2x5", "--dynamic"]) == 0
+    assert seen["dynamic"] is True and seen["dynamic_shapes"] is None
+    assert main(["optimize", "torch.nn:Identity", "--input", "1x5", "--dynamic", "batch"]) == 2
+    assert "--dynamic batch is dimension 0 of an example input of shape (1, 5)" in \
+        capsys.readouterr().err
+
+    exported: dict[str, Any] = {}
+    monkeypatch.setattr("autoopt.onnx.export_onnx",
+                        lambda *args, **kwargs: exported.update(kwargs) or "exported")
+    for flags, dims_ in ((["--dynamic"], ("batch", "sequence")),
+                         (["--dynamic", "all"], ("batch", "sequence")),
+                         (["--dynamic", "batch", "--dynamic", "batch"], ("batch",)),
+                         ([], ())):
+        assert main(["export", "torch.nn:Identity", "--input", "2x5", "-o",
+                     str(tmp_path / "m.onnx"), *flags]) == 0
+        assert exported["dynamic"] == dims_
+
+
+def test_run_prints_each_output_by_name(monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    class Session:
+        providers = ["CPUExecutionProvider"]
+        input_names = ["x"]
+        input_types = {"x": torch.float32}
+
+        def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {"output": torch.zeros(feeds["x"].shape[0], 1000)}
+
+    monkeypatch.setattr("autoopt.onnx.onnx_session", lambda *args, **kwargs: Session())
+    assert main(["run", "model.onnx", "--input", "8x3x4x4"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["providers: CPUExecutionProvider",
+                                                    "output: float32[8, 1000]"]
+
+
+def test_a_clone_named_autoopt_imported_from_its_parent_says_so(tmp_path: Path) -> None:
+    (tmp_path / "autoopt").symlink_to(ROOT, target_is_directory=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", "import autoopt"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert (f"ImportError: 'import autoopt' found {tmp_path / 'autoopt'}, the autoopt "
+            f"repository, instead of the package inside it") in done.stderr
+    assert "Python looked in the current folder" in done.stderr
+
+
+def test_the_repository_root_read_by_path_hands_over_to_the_package(tmp_path: Path) -> None:
+    """pytest reads a rootdir ``__init__.py`` as a package named after the folder, which a
+    clone named autoopt makes ``autoopt``: the real package must stay behind that name."""
+    script = textwrap.dedent(f"""
+        import importlib.util, sys
+        spec = importlib.util.spec_from_file_location("autoopt", {str(ROOT / "__init__.py")!r})
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["autoopt"] = module
+        spec.loader.exec_module(module)
+        import autoopt
+        print(hasattr(autoopt, "optimize"))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"
+    assert autoopt.optimize  # and this process's package is untouched

@@ -1,0 +1,7 @@
+"""``python -m autoopt.cli``: the ``autoopt`` command without the console script."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

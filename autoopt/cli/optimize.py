@@ -1,0 +1,69 @@
+"""``autoopt optimize``: capture, optimize and verify a model; print the report."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import ConfigError
+from ..passes.precision import PRECISIONS
+from .common import (
+    add_disable_argument,
+    add_dynamic_argument,
+    add_model_arguments,
+    check_output,
+    disabled,
+    load_workload,
+    named_dynamic_shapes,
+    parse_budget_option,
+)
+from .progress import output, stage
+
+# No --backend: OptimizeConfig has no backend choice yet (the lowering passes are the backend).
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    opt = sub.add_parser("optimize", help="capture, optimize and verify a model; print a report")
+    add_model_arguments(opt, device=None,
+                        device_help="cpu, cuda, cuda:N (default: the model's device)")
+    opt.add_argument("--train", action="store_true",
+                     help="keep the model in train mode and optimize for training (default: "
+                          "eval, inference)")
+    add_dynamic_argument(opt)
+    add_disable_argument(opt)
+    opt.add_argument("--precision", choices=PRECISIONS, default=None,
+                     help="compute in lower precision where the end-to-end error stays within "
+                          "the tolerance (int8: CPU inference only; default: fp32)")
+    opt.add_argument("--memory-budget", default=None, metavar="SIZE",
+                     help="with --train: the memory saved activations may take on the device, "
+                          "e.g. 8GiB, 512MiB, bytes, or a fraction of device memory such as 0.5")
+    opt.add_argument("--no-verify", action="store_true", help="skip checking against eager")
+    opt.add_argument("--save", metavar="PATH.pt2",
+                     help="save the optimized graph as a torch.export program")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..api import optimize
+    from ..emit import save_program
+
+    budget = None
+    if args.memory_budget is not None:
+        if not args.train:
+            raise ConfigError("--memory-budget limits the activations saved for a training "
+                              "step; add --train (inference saves none)")
+        budget = parse_budget_option(args.memory_budget)
+    check_output(args.save, "--save")
+    model, inputs, kwargs = load_workload(args, train=args.train)
+    dims = set(args.dynamic)
+    shapes = (named_dynamic_shapes(model, inputs, kwargs, sorted(dims))
+              if dims and "all" not in dims else None)
+    stage("optimizing: capture, passes, verification")
+    optimized = optimize(model, inputs, kwargs, device=args.device, dynamic="all" in dims,
+                         dynamic_shapes=shapes, disable=disabled(args),
+                         verify=not args.no_verify, precision=args.precision,
+                         memory_budget=budget)
+    output(str(optimized.report))
+    if args.save:
+        stage(f"saving {args.save}")
+        save_program(optimized, inputs, kwargs, args.save)
+        output(f"saved {args.save}" + (" (dynamic dimensions kept)" if dims else ""))
+    return 0
