@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from . import ops
 from .base import PassContext, PassResult
-from .graph import call_kwargs, meta_val
+from .graph import call_kwargs, is_call, match_path, meta_val
 
 aten = torch.ops.aten
 
@@ -37,7 +38,10 @@ class _Attention:
 
 
 def replace_attention(gm: GraphModule, ctx: PassContext) -> PassResult:
-    """Rewrite each matched attention into one ``aten.scaled_dot_product_attention`` call.
+    """Rewrite each matched attention into one ``scaled_dot_product_attention`` call: the ATen
+    overload in an export graph, ``F.scaled_dot_product_attention`` in a Dynamo or
+    ``symbolic_trace`` graph (where the pattern may be written with ``@``, ``torch.matmul``,
+    ``x.transpose``, ``F.softmax``, ``x.softmax`` or an ``nn.Softmax`` module).
 
     Args:
         gm: the graph module, rewritten in place.
@@ -49,9 +53,13 @@ def replace_attention(gm: GraphModule, ctx: PassContext) -> PassResult:
         match = _match(node)
         if match is None or not _safe(match):
             continue
+        # The graph's own level: an export graph calls ATen overloads only.
+        sdpa = (aten.scaled_dot_product_attention.default
+                if isinstance(node.target, torch._ops.OpOverload)
+                else F.scaled_dot_product_attention)
         with gm.graph.inserting_before(node):
             fused = gm.graph.call_function(
-                aten.scaled_dot_product_attention.default, (match.q, match.k, match.v),
+                sdpa, (match.q, match.k, match.v),
                 {"attn_mask": match.mask, "dropout_p": 0.0, "is_causal": False,
                  "scale": match.scale})
         fused.meta.update(node.meta)
@@ -67,54 +75,83 @@ def replace_attention(gm: GraphModule, ctx: PassContext) -> PassResult:
 
 def _match(out: Node) -> _Attention | None:
     """Walk back from ``probs @ v`` to ``q @ k^T``; None if any link is not the pattern."""
-    if out.op != "call_function" or out.target not in ops.MATMUL:
+    head = match_path(out, [ops.MATMUL, ops.SOFTMAX])
+    operands = _operands(out)
+    if head is None or operands is None or operands[0] is not head[1]:
         return None
-    probs, v = out.args
-    if not _is_call(probs, ops.SOFTMAX) or not isinstance(v, Node):
+    probs, v = head[1], operands[1]
+    softmax = _softmax_args(probs)
+    if softmax is None or not isinstance(v, Node):
         return None
-    kw = call_kwargs(probs) or {}
-    scores, dim = kw.get("input", kw.get("self")), kw.get("dim")
+    scores, dim, dtype = softmax
     if not isinstance(scores, Node) or dim not in (-1, _rank(scores) - 1):
         return None
-    if kw.get("half_to_float") or kw.get("dtype") not in (None, _dtype(scores)):
+    if dtype not in (None, _dtype(scores)):
         return None
     mask = None
-    if _is_call(scores, ops.ADD) and len(scores.args) == 2 and not scores.kwargs:
-        a, b = scores.args
-        raw, mask = (a, b) if _is_call(a, ops.MULTIPLY | ops.DIVIDE | ops.MATMUL) else (b, a)
+    added = _operands(scores) if is_call(scores, ops.ADD) and not scores.kwargs else None
+    if added is not None:
+        a, b = added
+        raw, mask = (a, b) if is_call(a, ops.MULTIPLY | ops.DIVIDE | ops.MATMUL) else (b, a)
         if not isinstance(mask, Node):
             return None
     else:
         raw = scores
     scale, product = _scaled(raw)
-    if product is None or not _is_call(product, ops.MATMUL):
+    factors = _operands(product) if is_call(product, ops.MATMUL) else None
+    if factors is None:
         return None
-    q, k_t = product.args
-    q_scale, q = _scaled(q) if _is_call(q, ops.MULTIPLY) else (1.0, q)
+    q, k_t = factors
+    q_scale, q = _scaled(q) if is_call(q, ops.MULTIPLY) else (1.0, q)
     k = _untransposed(k_t)
     if k is None or q is None or not isinstance(q, Node):
         return None
-    chain = tuple(n for n in (_q_scale_node(product), k_t, product, raw, scores, probs, out)
+    chain = tuple(n for n in (_q_scale_node(factors[0]), k_t, product, raw, scores, probs, out)
                   if isinstance(n, Node))
     return _Attention(q, k, v, mask, scale * q_scale, _dedupe(chain))
 
 
-def _q_scale_node(product: Node) -> Node | None:
+def _operands(node: Any) -> tuple[Any, Any] | None:
+    """The two operands of a binary call at any level (``a @ b``, ``torch.matmul(a, b)``,
+    ``a.matmul(b)``); None for any other argument list."""
+    if not isinstance(node, Node):
+        return None
+    if len(node.args) == 2 and not node.kwargs:
+        return node.args[0], node.args[1]
+    kw = call_kwargs(node) or {}
+    if set(kw) == {"input", "other"}:
+        return kw["input"], kw["other"]
+    return None
+
+
+def _softmax_args(node: Node) -> tuple[Any, Any, Any] | None:
+    """``(input, dim, dtype)`` of a softmax at any level; None where it computes something
+    else: ``half_to_float`` (ATen's ``_softmax``) or a dim left for PyTorch to guess."""
+    if node.op == "call_module":  # nn.Softmax(dim)
+        return (node.args[0], node.graph.owning_module.get_submodule(str(node.target)).dim,
+                None) if len(node.args) == 1 and not node.kwargs else None
+    kw = call_kwargs(node)
+    if kw is None or kw.get("half_to_float"):
+        return None
+    return kw.get("input", kw.get("self")), kw.get("dim"), kw.get("dtype")
+
+
+def _q_scale_node(q: Any) -> Node | None:
     """The ``q * c`` node feeding the first matmul, when the scale is applied to the query."""
-    q = product.args[0]
-    return q if _is_call(q, ops.MULTIPLY) else None
+    return q if is_call(q, ops.MULTIPLY) else None
 
 
 def _scaled(node: Any) -> tuple[float, Node | None]:
-    """``x * c``, ``c * x`` or ``x / c`` with a Python number ``c`` → (scale, x); else (1, x)."""
-    if _is_call(node, ops.MULTIPLY) and len(node.args) == 2 and not node.kwargs:
+    """``x * c``, ``c * x`` or ``x / c`` with a Python number ``c`` → (scale, x); else (1, x).
+    Keyword arguments (``rounding_mode``) change what a division computes: no match."""
+    if is_call(node, ops.MULTIPLY) and len(node.args) == 2 and not node.kwargs:
         a, b = node.args
         if _number(b) and isinstance(a, Node):
             return float(b), a
         if _number(a) and isinstance(b, Node):
             return float(a), b
         return 1.0, None
-    if _is_call(node, ops.DIVIDE) and len(node.args) == 2 and not node.kwargs:
+    if is_call(node, ops.DIVIDE) and len(node.args) == 2 and not node.kwargs:
         a, b = node.args
         if _number(b) and b != 0 and isinstance(a, Node):
             return 1.0 / float(b), a
@@ -124,11 +161,12 @@ def _scaled(node: Any) -> tuple[float, Node | None]:
 
 def _untransposed(k_t: Any) -> Node | None:
     """``k`` when ``k_t`` swaps k's last two dimensions."""
-    if not _is_call(k_t, ops.TRANSPOSE):
+    if not is_call(k_t, ops.TRANSPOSE):
         return None
-    k, d0, d1 = k_t.args[:3]
+    kw = call_kwargs(k_t) or {}
+    k, d0, d1 = kw.get("input", kw.get("self")), kw.get("dim0"), kw.get("dim1")
     rank = _rank(k)
-    if not isinstance(k, Node) or rank < 2:
+    if not isinstance(k, Node) or rank < 2 or not (isinstance(d0, int) and isinstance(d1, int)):
         return None
     return k if {d0 % rank, d1 % rank} == {rank - 2, rank - 1} else None
 
@@ -159,10 +197,6 @@ def _safe(m: _Attention) -> bool:
         except RuntimeError:
             return False
     return all(len(n.users) == 1 for n in m.chain[:-1])
-
-
-def _is_call(node: Any, targets: frozenset[Any]) -> bool:
-    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
 
 
 def _number(value: Any) -> bool:

@@ -116,7 +116,7 @@ def _pure(node: Node) -> bool:
     if {torch.Tag.nondeterministic_seeded, torch.Tag.maybe_aliasing_or_mutating} & set(
             target.tags):
         return False  # random ops; composites (batch_norm) that may update their arguments
-    return target.overloadpacket not in ops.UNINITIALIZED
+    return target.overloadpacket not in ops.UNINITIALIZED.aten
 
 
 def _written_storages(gm: GraphModule) -> set[int]:

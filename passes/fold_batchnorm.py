@@ -152,7 +152,9 @@ def _match(gm: GraphModule, node: Node) -> tuple[_Producer, _Norm] | None:
     """The (producer, BatchNorm) pair ending at ``node``, when its shape is one we fold."""
     if node.op == "call_module":
         return _match_module(gm, node)
-    if node.op == "call_function" and node.target in ops.BATCH_NORM_FUNCTIONS:
+    # ATen level only: the function path reads BatchNorm's and the producer's arguments by
+    # their ATen schema names (`transposed`, the tuple outputs of `native_batch_norm`).
+    if node.op == "call_function" and node.target in ops.BATCH_NORM.aten:
         return _match_function(gm, node)
     return None
 
@@ -175,12 +177,12 @@ def _match_function(gm: GraphModule, bn: Node) -> tuple[_Producer, _Norm] | None
     ckw = call_kwargs(conv)
     if ckw is None:
         return None
-    if conv.target in ops.LINEAR_FUNCTIONS:
+    if conv.target in ops.LINEAR.aten:
         kind = "linear"
-    elif conv.target in ops.CONV_TRANSPOSE_FUNCTIONS or (
-            conv.target in ops.CONV_FUNCTIONS and ckw.get("transposed", False)):
+    elif conv.target in ops.CONV_TRANSPOSE.aten or (
+            conv.target in ops.CONV.aten and ckw.get("transposed", False)):
         kind = "conv_transpose"
-    elif conv.target in ops.CONV_FUNCTIONS:
+    elif conv.target in ops.CONV.aten:
         kind = "conv"
     else:
         return None
@@ -195,14 +197,14 @@ def _match_function(gm: GraphModule, bn: Node) -> tuple[_Producer, _Norm] | None
 def _match_module(gm: GraphModule, bn: Node) -> tuple[_Producer, _Norm] | None:
     module = gm.get_submodule(str(bn.target))
     # Exact types: subclasses (QAT, fused, parametrized modules) compute something else.
-    if type(module) not in ops.BATCH_NORM_MODULES or len(bn.args) != 1 or bn.kwargs:
+    if type(module) not in ops.BATCH_NORM.modules or len(bn.args) != 1 or bn.kwargs:
         return None
     conv = bn.args[0]
     if not isinstance(conv, Node) or conv.op != "call_module":
         return None
     layer = gm.get_submodule(str(conv.target))
-    kinds = {**dict.fromkeys(ops.CONV_MODULES, "conv"), **dict.fromkeys(ops.LINEAR_MODULES,
-             "linear"), **dict.fromkeys(ops.CONV_TRANSPOSE_MODULES, "conv_transpose")}
+    kinds = {**dict.fromkeys(ops.CONV.modules, "conv"), **dict.fromkeys(ops.LINEAR.modules,
+             "linear"), **dict.fromkeys(ops.CONV_TRANSPOSE.modules, "conv_transpose")}
     kind = kinds.get(type(layer))
     if kind is None or len(conv.args) != 1 or conv.kwargs:
         return None

@@ -20,7 +20,7 @@ from torch.fx import GraphModule, Node
 
 from . import ops
 from .base import PassContext, PassResult
-from .graph import meta_val
+from .graph import is_call, meta_val
 
 aten = torch.ops.aten
 _SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
@@ -58,18 +58,18 @@ def replace_gelu(gm: GraphModule, ctx: PassContext) -> PassResult:
 
 def _match(out: Node) -> tuple[Node, str, list[Node]] | None:
     """``(x, approximate, inner nodes)`` when ``out`` is ``(x * 0.5) * (1 + f(x))``."""
-    if not _is(out, ops.MULTIPLY) or len(out.args) != 2:
+    if not is_call(out, ops.MULTIPLY) or len(out.args) != 2:
         return None
     for half, one_plus in (out.args, out.args[::-1]):
         x = _times(half, 0.5)
         inner = _plus_one(one_plus)
         if x is None or inner is None:
             continue
-        if _is(inner, ops.TANH):
+        if is_call(inner, ops.TANH) and len(inner.args) == 1 and not inner.kwargs:
             found = _tanh_argument(inner.args[0], x)
             if found is not None:
                 return x, "tanh", [half, one_plus, inner, *found]
-        if _is(inner, ops.ERF):
+        if is_call(inner, ops.ERF) and len(inner.args) == 1 and not inner.kwargs:
             scaled = inner.args[0]
             if _times(scaled, _INV_SQRT_2) is x or _divided(scaled, math.sqrt(2)) is x:
                 return x, "none", [half, one_plus, inner, scaled]
@@ -79,19 +79,21 @@ def _match(out: Node) -> tuple[Node, str, list[Node]] | None:
 def _tanh_argument(node: Any, x: Node) -> list[Node] | None:
     """Nodes of ``√(2/π) * (x + 0.044715 * x**3)`` if ``node`` is that, else None."""
     inner = _times(node, _SQRT_2_OVER_PI)
-    if not _is(inner, ops.ADD) or len(inner.args) != 2 or inner.kwargs:
+    if not is_call(inner, ops.ADD) or len(inner.args) != 2 or inner.kwargs:
         return None
     a, b = inner.args
     cubic = b if a is x else a if b is x else None
     cube = _times(cubic, 0.044715)
-    if not _is(cube, ops.POW) or cube.args[0] is not x or not _close(cube.args[1], 3.0):
+    if not is_call(cube, ops.POW) or len(cube.args) != 2 or cube.kwargs:
+        return None
+    if cube.args[0] is not x or not _close(cube.args[1], 3.0):
         return None
     return [node, inner, cubic, cube]
 
 
 def _times(node: Any, constant: float) -> Node | None:
     """``y`` when ``node`` is ``y * constant`` or ``constant * y``."""
-    if not _is(node, ops.MULTIPLY) or len(node.args) != 2 or node.kwargs:
+    if not is_call(node, ops.MULTIPLY) or len(node.args) != 2 or node.kwargs:
         return None
     a, b = node.args
     if isinstance(a, Node) and _close(b, constant):
@@ -102,14 +104,14 @@ def _times(node: Any, constant: float) -> Node | None:
 
 
 def _divided(node: Any, constant: float) -> Node | None:
-    if not _is(node, ops.DIVIDE) or len(node.args) != 2 or node.kwargs:
+    if not is_call(node, ops.DIVIDE) or len(node.args) != 2 or node.kwargs:
         return None
     a, b = node.args
     return a if isinstance(a, Node) and _close(b, constant) else None
 
 
 def _plus_one(node: Any) -> Node | None:
-    if not _is(node, ops.ADD) or len(node.args) != 2 or node.kwargs:
+    if not is_call(node, ops.ADD) or len(node.args) != 2 or node.kwargs:
         return None
     a, b = node.args
     if isinstance(a, Node) and _close(b, 1.0):
@@ -128,10 +130,6 @@ def _safe(x: Node, out: Node, chain: list[Node]) -> bool:
     if not val.is_floating_point() or val.dtype != result.dtype or val.shape != result.shape:
         return False
     return all(len(n.users) == 1 for n in chain)
-
-
-def _is(node: Any, targets: frozenset[Any]) -> bool:
-    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
 
 
 def _close(value: Any, expected: float) -> bool:

@@ -1,8 +1,10 @@
-"""Small graph helpers every pass needs: arguments by name, node metadata, attributes, new
-constants. One place, so passes read alike and a fix lands everywhere."""
+"""Small graph helpers every pass needs: matching calls at any capture level, arguments by name,
+node metadata, attributes, new constants. One place, so passes read alike and a fix lands
+everywhere."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -13,11 +15,57 @@ from torch.fx.operator_schemas import normalize_function
 from . import ops
 
 
+def is_call(node: Any, op_set: ops.OpSet) -> bool:
+    """Whether ``node`` calls an op of ``op_set``, at whichever level its graph is written: a
+    function or ATen overload (``call_function``), a Tensor method (``call_method``) or a module
+    (``call_module``) of exactly one of the set's classes, since a subclass may override
+    ``forward``.
+
+    Example:
+        >>> is_call(node, ops.SOFTMAX)  # aten.softmax.int, torch.softmax, F.softmax, x.softmax
+    """
+    if not isinstance(node, Node):
+        return False
+    if node.op == "call_function":
+        return node.target in op_set.functions
+    if node.op == "call_method":
+        return node.target in op_set.methods
+    if node.op == "call_module" and op_set.modules:
+        return type(attr(node.graph.owning_module, node.target)) in op_set.modules
+    return False
+
+
+def match_path(node: Any, path: Sequence[ops.OpSet]) -> list[Node] | None:
+    """``[node, its first argument, that one's first argument, ...]`` when each calls an op of
+    the set at its place in ``path``; None where one does not (or has no positional argument).
+
+    Example:
+        >>> match_path(out, [ops.MATMUL, ops.SOFTMAX])  # softmax(s) @ v → [out, softmax]
+    """
+    matched: list[Node] = []
+    for op_set in path:
+        if not is_call(node, op_set):
+            return None
+        matched.append(node)
+        node = node.args[0] if node.args else None
+    return matched
+
+
 def call_kwargs(node: Node) -> dict[str, Any] | None:
     """The call's arguments by parameter name (``self`` is named ``input``); None when the
-    target's signature cannot be matched."""
+    target's signature cannot be matched.
+
+    A Tensor method is read as the ``torch`` function of its name, which takes ``self`` as its
+    first argument (``x.softmax(-1)`` is ``torch.softmax(x, -1)``); where the two signatures
+    differ (``x.permute(0, 2, 1)``) the arguments do not match it and the answer is None.
+    """
+    target = node.target
+    if node.op == "call_method":
+        target = getattr(torch, str(target), None)
+        if target is None:
+            return None
     try:
-        pair = normalize_function(node.target, node.args, node.kwargs,
+        pair = normalize_function(target, node.args, node.kwargs,
                                   normalize_to_only_use_kwargs=True)
     except Exception:  # noqa: BLE001 - an unmatchable signature simply means "no match"
         return None
@@ -102,13 +150,13 @@ def is_impure(node: Node) -> bool:
     if node.kwargs.get("out") is not None:
         return True
     if node.op == "call_method":
-        return _inplace_name(str(node.target)) or node.target in ops.INPLACE_DUNDER_METHODS
+        return _inplace_name(str(node.target)) or node.target in ops.INPLACE_OPERATORS.methods
     if node.op != "call_function":
         return False
     target = node.target
-    if target in ops.INPLACE_OPERATORS or node.is_impure():
+    if target in ops.INPLACE_OPERATORS.functions or node.is_impure():
         return True
-    if target in ops.STATISTICS_UPDATING_FUNCTIONS:
+    if target in ops.STATISTICS_UPDATING.functions:
         return _updates_statistics(call_kwargs(node))
     if isinstance(target, torch._ops.OpOverload):
         return False  # its schema, which FX read, says whether it writes

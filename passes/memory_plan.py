@@ -41,19 +41,16 @@ from torch.utils import _pytree as pytree
 
 from autoopt.cost_model.isolation import preserved, unwritten_inputs
 
+from . import ops
+
 log = logging.getLogger(__name__)
 
 KEEP, OFFLOAD, SELECTIVE, RECOMPUTE = "keep", "offload", "selective", "recompute"
 MODES: tuple[str, ...] = (KEEP, OFFLOAD, SELECTIVE, RECOMPUTE)
-# Ops whose results a selective recompute keeps (costly to run again, per byte they make):
-# the graph-level spellings, for planning; ``autoopt.passes.recompute`` has the kernels.
-_HEAVY_OPS = frozenset({
-    torch.ops.aten.linear.default, torch.ops.aten.addmm.default, torch.ops.aten.mm.default,
-    torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default, torch.ops.aten.matmul.default,
-    torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv3d.default,
-    torch.ops.aten.convolution.default, torch.ops.aten.scaled_dot_product_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-})
+# Ops whose results a selective recompute keeps (costly to run again, per byte they make): the
+# graph-level spellings, for planning, and the kernels a decomposed graph calls. Each runs as one
+# of ``ops.COSTLY_KERNELS``, which ``autoopt.passes.recompute`` keeps.
+_HEAVY_OPS = ops.COSTLY | ops.ATTENTION_KERNELS
 _STEPS = 4096  # byte resolution of the dynamic program: budget / _STEPS
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
 
@@ -649,8 +646,9 @@ def _writes_state(node: Node) -> bool:
 def _is_heavy(node: Node, gm: GraphModule) -> bool:
     if node.op == "call_module":
         module = gm.get_submodule(str(node.target))
-        return isinstance(module, (torch.nn.Linear, torch.nn.modules.conv._ConvNd))
-    return node.op == "call_function" and node.target in _HEAVY_OPS
+        # Subclasses too (LazyLinear, a user's Conv2d subclass): they still run a GEMM.
+        return isinstance(module, _HEAVY_OPS.modules)
+    return node.op == "call_function" and node.target in _HEAVY_OPS.functions
 
 
 def _cut(order: Sequence[Node], saved: dict[str, dict[int, int]],

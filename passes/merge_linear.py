@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
+from . import ops
 from .base import PassContext, PassResult
 from .graph import add_constant, call_kwargs, constant_tensor, meta_val
 
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
-LINEAR = frozenset({aten.linear.default})
 
 
 def merge_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
@@ -71,7 +71,7 @@ def _siblings(gm: GraphModule, x: Node, order: dict[Node, int],
         return []
     found = []
     for user in x.users:
-        if user.target not in LINEAR:
+        if user.target not in ops.LINEAR.aten:  # reads ATen's (input, weight, bias)
             continue
         kw = call_kwargs(user)
         if kw is None or kw.get("input") is not x:

@@ -25,14 +25,16 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule, Node
 
+from . import ops
 from .base import PassContext, PassResult
 from .graph import attr, call_kwargs, constant_tensor, meta_val
 
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
-CONV2D = frozenset({aten.conv2d.default})
-ADD = frozenset({aten.add.Tensor, aten.add_.Tensor})
+# ATen level: a lowering pass, run on export graphs, reading ATen's argument names.
+_CONV2D = ops.CONV2D.aten  # `conv2d.padding` (padding="same") has no integer padding: refused
+_RESIDUAL_ADD = (ops.ADD | ops.ADD_INPLACE).aten  # a Scalar add has no tensor operand: refused
 
 # Elementwise ops oneDNN applies to the conv's output in registers: op -> (attr, scalars from
 # the op's arguments, algorithm). Names are oneDNN's post-op names as torch.ops.mkldnn takes them.
@@ -45,20 +47,18 @@ def _fixed(name: str) -> Callable[[dict[str, Any]], _Epilogue]:
 
 
 UNARY: dict[Any, Callable[[dict[str, Any]], _Epilogue]] = {
-    **dict.fromkeys((aten.relu.default, aten.relu_.default), _fixed("relu")),
-    **dict.fromkeys((aten.sigmoid.default, aten.sigmoid_.default), _fixed("sigmoid")),
-    **dict.fromkeys((aten.tanh.default, aten.tanh_.default), _fixed("tanh")),
-    **dict.fromkeys((aten.hardswish.default, aten.hardswish_.default), _fixed("hardswish")),
-    **dict.fromkeys((aten.hardsigmoid.default, aten.hardsigmoid_.default),
-                    _fixed("hardsigmoid")),
-    **dict.fromkeys((aten.silu.default, aten.silu_.default), _fixed("swish")),
-    **dict.fromkeys((aten.hardtanh.default, aten.hardtanh_.default), lambda kw: (
+    **dict.fromkeys(ops.RELU.aten, _fixed("relu")),
+    **dict.fromkeys(ops.SIGMOID.aten, _fixed("sigmoid")),
+    **dict.fromkeys(ops.TANH.aten, _fixed("tanh")),
+    **dict.fromkeys(ops.HARDSWISH.aten, _fixed("hardswish")),
+    **dict.fromkeys(ops.HARDSIGMOID.aten, _fixed("hardsigmoid")),
+    **dict.fromkeys(ops.SILU.aten, _fixed("swish")),
+    **dict.fromkeys(ops.HARDTANH.aten, lambda kw: (
         "hardtanh", [float(kw.get("min_val", -1.0)), float(kw.get("max_val", 1.0))], "")),
-    **dict.fromkeys((aten.relu6.default, aten.relu6_.default) if hasattr(aten, "relu6_")
-                    else (aten.relu6.default,), lambda kw: ("hardtanh", [0.0, 6.0], "")),
-    **dict.fromkeys((aten.leaky_relu.default, aten.leaky_relu_.default), lambda kw: (
+    **dict.fromkeys(ops.RELU6.aten, lambda kw: ("hardtanh", [0.0, 6.0], "")),
+    **dict.fromkeys(ops.LEAKY_RELU.aten, lambda kw: (
         "leaky_relu", [float(kw.get("negative_slope", 0.01))], "")),
-    **dict.fromkeys((aten.gelu.default, aten.gelu_.default), lambda kw: (
+    **dict.fromkeys(ops.GELU.aten, lambda kw: (
         "gelu", [], str(kw.get("approximate", "none")))),
 }
 
@@ -157,7 +157,7 @@ def onednn_conv(gm: GraphModule, ctx: PassContext) -> PassResult:
     counts = {"conv": 0, "fused_unary": 0, "fused_add": 0, "kept_aten": 0}
     graph = gm.graph
     for node in list(graph.nodes):
-        if node.target not in CONV2D or node.graph is not graph:  # erased as an epilogue
+        if node.target not in _CONV2D or node.graph is not graph:  # erased as an epilogue
             continue
         conv = _eligible(gm, node)
         if conv is None:
@@ -231,7 +231,7 @@ def _epilogue(conv: Node) -> tuple[Node | None, Node | None, list[tuple[Node, _E
     add = other = None
     tail = conv
     users = list(conv.users)
-    if len(users) == 1 and users[0].target in ADD:
+    if len(users) == 1 and users[0].target in _RESIDUAL_ADD:
         candidate = users[0]
         kw = call_kwargs(candidate) or {}
         a, b = kw.get("input"), kw.get("other")

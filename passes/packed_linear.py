@@ -9,10 +9,10 @@
 with the packing done once, BERT's and ViT's linear shapes measured 5–10% faster at 1024 rows
 and 20–28% at 128 (1 thread) on a Sapphire Rapids, with outputs equal to ``aten.linear``'s
 within fp32 rounding (same kernel; bitwise equal there, one ulp apart on an AMD EPYC at 2
-threads, where MKL splits the reduction differently). The price is memory: the packed copy is about the weight's size, held
-next to the original (which the graph shares with the user's model); the pass reports it as
-``packed_mib``. Where a cost model is present, each distinct shape keeps whichever kernel it
-measures faster on this machine.
+threads, where MKL splits the reduction differently). The price is memory: the packed copy
+is about the weight's size, held next to the original (which the graph shares with the user's
+model); the pass reports it as ``packed_mib``. Where a cost model is present, each distinct
+shape keeps whichever kernel it measures faster on this machine.
 
 fp32 only (MKL's sgemm), on a CPU build with MKL, not in training (the packed copy is a
 constant that gradients would not reach). It is a lowering: exports take the graph from before
@@ -31,15 +31,13 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule, Node
 
+from . import ops
 from .base import PassContext, PassResult
 from .graph import attr, call_kwargs, constant_tensor, meta_val
 
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
-LINEAR = frozenset({aten.linear.default})
-ADDMM = frozenset({aten.addmm.default})
-MM = frozenset({aten.mm.default})
 
 
 class PackedLinear:
@@ -141,17 +139,18 @@ def _eligible(gm: GraphModule, node: Node) -> _Linear | None:
     """The linear's parts, if MKL's packed GEMM computes exactly what the node does: an fp32
     input of static shape, a constant 2-D fp32 weight, a constant bias of the output's width
     (or none), and for ``addmm`` no scaling (``beta = alpha = 1``)."""
-    if node.op != "call_function" or node.target not in LINEAR | ADDMM | MM:
+    # ATen level: a lowering pass, run on export graphs, reading ATen's argument names.
+    if node.op != "call_function" or node.target not in (ops.LINEAR | ops.ADDMM | ops.MM).aten:
         return None
     kw = call_kwargs(node)
     if kw is None:
         return None
-    if node.target in LINEAR:
+    if node.target in ops.LINEAR.aten:
         x, weight, bias = kw.get("input"), constant_tensor(gm, kw.get("weight")), kw.get("bias")
     else:
         if kw.get("beta", 1) != 1 or kw.get("alpha", 1) != 1:
             return None
-        if node.target in ADDMM:  # addmm(bias, x, W)
+        if node.target in ops.ADDMM.aten:  # addmm(bias, x, W)
             x, bias = kw.get("mat1"), kw.get("input")
         else:  # mm(x, W)
             x, bias = kw.get("input"), None

@@ -36,6 +36,8 @@ from torch.fx import GraphModule, Node
 from autoopt.cost_model.estimate import is_view, tensor_bytes
 from autoopt.cost_model.model import GraphCost
 
+from .graph import attr
+
 log = logging.getLogger(__name__)
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
@@ -156,7 +158,7 @@ class NodeProfile:
         attributes: dict[int, tuple[int, list[int]]] = {}  # tensor id -> (bytes, user indices)
         for node in gm.graph.nodes:
             if node.op == "get_attr":
-                value = _attr(gm, node)
+                value = attr(gm, node)
                 if isinstance(value, torch.Tensor):
                     size = value.numel() * value.element_size()
                     entry = attributes.setdefault(id(value), (size, []))
@@ -224,13 +226,6 @@ class NodeProfile:
 def _latency(cost: GraphCost, node: Node) -> float:
     found = cost.by_node.get(node.name)
     return found.stage_s if found is not None else 0.0
-
-
-def _attr(gm: GraphModule, node: Node) -> object:
-    owner: object = gm
-    for part in str(node.target).split("."):
-        owner = getattr(owner, part, None)
-    return owner
 
 
 def _activation(profile: NodeProfile, i: np.ndarray | int, j: int, peak: np.ndarray | float,

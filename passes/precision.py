@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 
 from autoopt.cost_model.isolation import preserved
 
-from . import precision_ops
+from . import ops
 from .base import PassContext, PassResult
 from .precision_cast import (
     CastInterpreter,
@@ -128,7 +128,7 @@ def cast_precision(gm: GraphModule, ctx: PassContext) -> PassResult:
     functionalize_inplace(gm)
     # What the low dtype cannot hold (mask fills of finfo(float32).min) stays fp32.
     wide = out_of_range(gm, dtype, ctx.example_inputs)
-    ops = {n.name: n for n in gm.graph.nodes}
+    by_name = {n.name: n for n in gm.graph.nodes}
     found = candidates(gm)
     refused = {n.name: why for n in found if (why := range_refusal(n, wide, dtype))}
     nodes = [n for n in found if n.name not in refused]
@@ -147,15 +147,15 @@ def cast_precision(gm: GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, False)
     plan = apply_casts(gm, low, dtype, store_params=not ctx.training, wide=wide)
     # Where a huge value enters (a fill, a factor, an input): not every op it flows through.
-    sources = [n for n in wide if ops[n].op == "call_function" and n not in refused
+    sources = [n for n in wide if by_name[n].op == "call_function" and n not in refused
                and not any(a.name in wide and a.op == "call_function"
-                           for a in ops[n].all_input_nodes)]
-    kept_ops = [KeptOp(n, _op(ops[n]), why) for n, why in refused.items()]
-    kept_ops += [KeptOp(n, _op(ops[n]), range_refusal(ops[n], wide, dtype) or "")
+                           for a in by_name[n].all_input_nodes)]
+    kept_ops = [KeptOp(n, _op(by_name[n]), why) for n, why in refused.items()]
+    kept_ops += [KeptOp(n, _op(by_name[n]), range_refusal(by_name[n], wide, dtype) or "")
                  for n in sources]
-    kept_ops += [KeptOp(n, _op(ops[n]), why) for n, why in kept.items()]
+    kept_ops += [KeptOp(n, _op(by_name[n]), why) for n, why in kept.items()]
     kept_ops += [KeptOp(n.name, _op(n), "numerically sensitive (policy)")
-                 for n in gm.graph.nodes if n.target in precision_ops.SENSITIVE
+                 for n in gm.graph.nodes if n.target in ops.SENSITIVE.aten
                  and n.name not in plan.low_nodes]
     gm.meta["precision"] = PrecisionSummary(precision, tolerance, error, len(low),
                                             tuple(kept_ops), plan.casts, plan.params_stored_low,
@@ -243,11 +243,11 @@ def _int8(gm: GraphModule, ctx: PassContext, tolerance: float) -> PassResult:
             _MARGIN * tolerance, kinds)
     if not low:
         return PassResult(gm, False)
-    ops = {n.name: _op(n) for n in gm.graph.nodes}
+    op_names = {n.name: _op(n) for n in gm.graph.nodes}
     replaced = apply_int8(gm, low, packed)
     gm.meta["precision"] = PrecisionSummary(
         "int8", tolerance, error, replaced,
-        tuple(KeptOp(n, ops[n], why) for n, why in kept.items()), params_stored_low=replaced,
+        tuple(KeptOp(n, op_names[n], why) for n, why in kept.items()), params_stored_low=replaced,
         trials=measure.trials, masked_sets=measure.masked_sets)
     return PassResult(gm, True, {"int8_linear": replaced, "kept_fp32": len(kept)})
 

@@ -20,7 +20,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
-from . import precision_ops
+from . import ops
 from .graph import attr, fresh_name, meta_val
 
 aten = torch.ops.aten
@@ -57,13 +57,12 @@ def float32_out(node: Node) -> bool:
     return _dtype(meta_val(node)) == torch.float32
 
 
-def candidates(gm: GraphModule, ops: frozenset[Any] = precision_ops.COMPUTE_HEAVY,
-               ) -> list[Node]:
+def candidates(gm: GraphModule, targets: frozenset[Any] = ops.COSTLY.aten) -> list[Node]:
     """Compute-heavy nodes whose output and floating inputs are fp32 (nothing else is cast)."""
     pinned = pinned_nodes(gm)
     found = []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in ops or node in pinned:
+        if node.op != "call_function" or node.target not in targets or node in pinned:
             continue
         inputs = [a for a in _tensor_inputs(node) if _dtype(meta_val(a)) is not None]
         floats = [a for a in inputs if _dtype(meta_val(a)).is_floating_point]
@@ -292,7 +291,7 @@ def _regions(gm: GraphModule, low: set[str], dtype: torch.dtype, pinned: set[Nod
         if node.name in low:
             region[node] = dtype
             continue
-        if node.target in precision_ops.SENSITIVE:
+        if node.target in ops.SENSITIVE.aten:
             continue
         seen = set()
         for arg in _tensor_inputs(node):
@@ -371,7 +370,7 @@ def out_of_range(gm: GraphModule, dtype: torch.dtype, example_inputs: Sequence[A
             magnitude = _magnitude(attr(gm, node))
         elif node.op == "call_function" and _floating_out(node):
             magnitude = max(_scalar_magnitudes(node), default=0.0)
-            if node.target not in precision_ops.BOUNDED:
+            if node.target not in ops.BOUNDED.aten:
                 magnitude = max([magnitude] + [wide.get(a.name, 0.0) for a in _carried(node)])
         else:
             continue
@@ -405,7 +404,7 @@ def saturates(dtype: torch.dtype) -> bool:
 
 def attention_mask(node: Node) -> Node | None:
     """The additive mask argument of an attention node, if any."""
-    slot = precision_ops.ATTENTION_MASK_ARG.get(node.target)
+    slot = ops.ATTENTION_MASK_ARG.get(node.target)
     if slot is None:
         return None
     index, key = slot

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Interpreter, Node
 
-from . import precision_ops
+from . import ops
 from .graph import attr, fresh_name, meta_val
 
 # oneDNN's int8 kernels use VNNI/AMX where the CPU has them (about 2x faster than the x86
@@ -29,7 +29,7 @@ def int8_candidates(gm: GraphModule) -> list[Node]:
     """Linear nodes with an fp32 input and a 2-D fp32 weight attribute (a constant to pack)."""
     found = []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in precision_ops.INT8_LINEAR:
+        if node.op != "call_function" or node.target not in ops.LINEAR.aten:
             continue
         x, weight = node.args[0], node.args[1]
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")

@@ -31,6 +31,7 @@ from torch.utils.checkpoint import (
 from autoopt.cost_model.isolation import written_placeholders
 from autoopt.cost_model.stages import split_stages
 
+from . import ops
 from .memory_plan import KEEP, OFFLOAD, RECOMPUTE, SELECTIVE, MemoryPlan
 
 OffloadWrap = Callable[[nn.Module, int], nn.Module]
@@ -106,15 +107,9 @@ class Recompute(nn.Module):
 
 
 # Kernels whose results a selective recompute keeps from forward instead of running again
-# (matmuls, convolutions, attention: the costly ops); everything else runs again in backward.
-_KEEP_RESULTS = frozenset({
-    torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
-    torch.ops.aten.baddbmm.default, torch.ops.aten.convolution.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-})
+# (matmuls, convolutions, attention: the costly ops, as autograd records them); everything else
+# runs again in backward.
+_KEEP_RESULTS = ops.COSTLY_KERNELS.aten
 
 
 def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -113,3 +113,33 @@ def test_does_not_fire_on_views_that_change_shape() -> None:
 
     gm = export_graph(M(), (torch.randn(4, 4),), {})
     assert not remove_noops(gm, PassContext()).modified
+
+
+
+def test_does_not_fire_on_a_rounding_division() -> None:
+    class M(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.div(x, 1, rounding_mode="floor").sin()  # floor(x), not x
+
+    x = torch.randn(4) * 3
+    gm, _ = symbolic_trace_graph(M(), (x,), {})
+    assert not remove_noops(gm, PassContext()).modified
+    torch.testing.assert_close(gm(x), torch.floor(x).sin())
+
+
+def test_does_not_fire_when_an_item_write_follows() -> None:
+    class M(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            written = x * 1      # a new tensor: `written[0] = 5` must not write into x
+            written[0] = 5.0
+            return written.sin()
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def grab(gm: torch.fx.GraphModule, example_inputs: object) -> object:
+        graphs.append(gm)  # Dynamo's graph: `operator.setitem` on the product
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(M(), backend=grab, fullgraph=True)(torch.randn(4))
+    assert not remove_noops(graphs[0], PassContext()).modified
