@@ -19,6 +19,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from . import cuda_graphs
+from .concurrency import GATE
 from .config import OptimizeConfig
 from .cost_model import CostModel
 from .guards import InputSignature, current_modes, signature_of
@@ -146,23 +147,22 @@ class OptimizedModule(nn.Module):
         if spec is None:
             with self._lock:  # another thread may have captured it meanwhile
                 spec = self._find(args, kwargs) or self.specialize(args, kwargs)
+        with GATE.calling():  # no capture runs in another thread meanwhile
+            out = spec.run(*args, **kwargs)
         if spec.writes_buffers and spec.stamp is not None:
-            return self._run_writing(spec, args, kwargs)
-        return spec.run(*args, **kwargs)
+            self._after_own_writes(spec)
+        return out
 
-    def _run_writing(self, spec: Compiled, args: tuple[Any, ...],
-                     kwargs: dict[str, Any]) -> Any:
+    def _after_own_writes(self, spec: Compiled) -> None:
         """A graph that updates BatchNorm statistics (train mode under ``no_grad``, as in
         ``swa_utils.update_bn``): its own writes leave it current, so it is not captured anew
         on every call."""
-        out = spec.run(*args, **kwargs)
         with self._lock:
             stamp = self._watch.stamp()
             for other in self._specializations:
                 if other.stamp == spec.stamp:
                     other.stamp = stamp
             self._watch.take_fingerprint()
-        return out
 
     # --- weights written after capture ----------------------------------------------------
 
@@ -171,7 +171,8 @@ class OptimizedModule(nn.Module):
                 "attribute assignment): calls with them run eagerly")
         if note not in self.report.warnings:
             self.report.warnings.append(note)
-        return self.module(*args, **kwargs)
+        with GATE.calling():
+            return self.module(*args, **kwargs)
 
     def _drop_graphs(self, which: Callable[[Compiled], bool], note: str) -> None:
         with self._lock:
@@ -272,7 +273,7 @@ class OptimizedModule(nn.Module):
             devices = [d.index for d in {t.device for t in self._watch.tensors}
                        if d.type == "cuda" and d.index is not None]
             before = self._watch.stamp()
-            with torch.random.fork_rng(devices=sorted(devices)):
+            with GATE.capturing(), torch.random.fork_rng(devices=sorted(devices)):
                 spec = self._capturer.capture(*clone_inputs(args, kwargs))
             if spec.signature is None:
                 self._unshare()  # Dynamo's module or eager: serves any later call, training too
@@ -282,7 +283,7 @@ class OptimizedModule(nn.Module):
             for other in self._specializations:
                 if other.stamp == before:
                     other.stamp = after
-            if spec.method != "eager" and not torch.is_grad_enabled():
+            if spec.run is not self.module and not torch.is_grad_enabled():
                 spec.stamp = after
                 spec.writes_buffers = any(m.training for m in self._submodules)
             self._specializations.append(spec)
@@ -303,6 +304,8 @@ class OptimizedModule(nn.Module):
 def _backend(spec: Compiled) -> str:
     if spec.method in ("dynamo", "eager"):
         return spec.method
+    if isinstance(spec.run, nn.Module) and not isinstance(spec.run, GraphModule):
+        return "eager"  # captured, but no pass changed the graph
     return "cuda_graph" if isinstance(spec.run, cuda_graphs.CudaGraphRunner) else "aten"
 
 

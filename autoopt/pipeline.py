@@ -49,6 +49,7 @@ def run_pipeline(gm: GraphModule, passes: Sequence[tuple[str, PassFn]], ctx: Pas
     current, records = _run(gm, passes, ctx, check if debug else None, disabled)
     if check is None or debug or not any(r.status == "applied" for r in records):
         return current, records
+    log.info("verifying the optimized graph against eager")
     result = check(current)
     if result.ok:
         return current, records
@@ -72,6 +73,7 @@ def _run(gm: GraphModule, passes: Sequence[tuple[str, PassFn]], ctx: PassContext
         if name in disabled:
             records.append(PassRecord(name, "disabled"))
             continue
+        log.info("pass %s", name)  # the CLI's progress line shows these
         start = time.perf_counter()
         candidate = copy_graph_module(current)
         options = ctx.options.get(name, {}) if isinstance(ctx.options, dict) else {}

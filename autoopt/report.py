@@ -40,6 +40,7 @@ class CaptureRecord:
         seconds: wall time of capture, passes and verification.
         cuda_graph: ``recorded`` when calls replay one CUDA graph, else why not (empty where
             CUDA graphs do not apply: CPU, training, symbolic shapes, ``cuda_graphs=False``).
+        runs: what runs the calls when it is not the optimized graph, and why.
     """
 
     inputs: str
@@ -54,6 +55,7 @@ class CaptureRecord:
     precision: PrecisionSummary | None = None  # precision=: ops cast, kept in fp32 and why
     memory_plan: MemoryPlan | None = None  # memory_budget's plan (training captures)
     cuda_graph: str = ""
+    runs: str = ""
 
 
 @dataclass
@@ -111,5 +113,7 @@ class Report:
                 lines.append(f"    verification: {c.verification}")
             if c.cuda_graph:
                 lines.append(f"    cuda graph: {c.cuda_graph}")
+            if c.runs:
+                lines.append(f"    runs: {c.runs}")
         lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)

@@ -92,6 +92,7 @@ class Capturer:
             if method != "dynamo" and obstacles:
                 record.attempts.append((method, "skipped: " + "; ".join(obstacles)))
                 continue
+            log.info("capture: trying %s", method)
             try:
                 spec = getattr(self, f"_{method}")(args, kwargs, record)
                 break
@@ -150,8 +151,9 @@ class Capturer:
         flat = capture_lib.flat_example_inputs(gm, args, kwargs)
         gm = self._optimize_graph(gm, flat, args, kwargs, record, "export",
                                   lambda g: g)
+        run = self._cuda_graph(gm, args, kwargs, record)
         return Compiled(signature_of(args, kwargs, self.module, gm), "export",
-                               self._cuda_graph(gm, args, kwargs, record), gm)
+                        self._unless_unimproved(run, record), gm)
 
     def _cuda_graph(self, gm: GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
                     record: CaptureRecord) -> Callable[..., Any]:
@@ -190,7 +192,18 @@ class Capturer:
         gm = self._optimize_graph(gm, positional(*args, **kwargs), args, kwargs, record,
                                   "symbolic_trace", adapt)
         return Compiled(signature_of(args, kwargs, self.module), "symbolic_trace",
-                               adapt(gm), gm)
+                        self._unless_unimproved(adapt(gm), record), gm)
+
+    def _unless_unimproved(self, run: Callable[..., Any], record: CaptureRecord,
+                           ) -> Callable[..., Any]:
+        """The model itself where no pass or driver step changed the graph: a captured graph
+        that only replays the model's ops dispatches each through its ATen overload, slower
+        than eager (a 40-layer MLP: 0.53 ms against eager's 0.37 ms), and computes nothing
+        eager does not. The graph stays in the record for export."""
+        if any(r.status == "applied" for r in record.passes):
+            return run
+        record.runs = "eager: no pass changed the captured graph, so calls run the model as is"
+        return self.module
 
     def _dynamo(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                 record: CaptureRecord) -> Compiled:

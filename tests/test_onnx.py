@@ -370,7 +370,7 @@ def test_cli_export_then_run_round_trip(tmp_path: Path,
     assert main(["run", str(path), "--input", "ids=4x7", "--input", "weight=4x7",
                  "--int-high", "50", "--bench", "5", "--threads", "1"]) == 0
     out = capsys.readouterr().out
-    assert "output output: float32[4, 7, 3]" in out
+    assert "output: float32[4, 7, 3]" in out
     assert "latency: median" in out and "throughput:" in out and "(batch 4)" in out
 
 
