@@ -142,3 +142,120 @@ def test_runs_after_noops_are_removed() -> None:
     assert not replace_attention(gm, PassContext()).modified
     gm = remove_noops(gm, PassContext()).graph_module
     assert replace_attention(gm, PassContext()).counts == {"attention": 1}
+
+
+# ── Dynamo and symbolic_trace graphs: torch functions, operators, Tensor methods, modules ──
+
+
+class Spellings(nn.Module):
+    """The same attention as Before, written four ways Dynamo records differently."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.softmax = nn.Softmax(dim=-1)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        a = torch.softmax(torch.matmul(q, k.transpose(2, 3)) / 4.0, dim=-1) @ v
+        b = ((q * 0.5) @ k.transpose(3, 2)).softmax(dim=3) @ v           # Tensor methods
+        c = nn.functional.softmax(q @ k.transpose(-2, -1) * 0.5, -1).matmul(v)
+        d = self.softmax(q.matmul(k.transpose(-1, -2)) / 4.0) @ v        # an nn.Softmax
+        return a + b + c + d
+
+
+def _dynamo_graph(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.fx.GraphModule:
+    """The torch-function-level graph Dynamo hands a backend for ``model``."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def grab(gm: torch.fx.GraphModule, example_inputs: object) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=grab, fullgraph=True)(*inputs)
+    return graphs[0]
+
+
+def _run_dynamo_graph(gm: torch.fx.GraphModule, **inputs: torch.Tensor) -> torch.Tensor:
+    """Run a Dynamo graph by input name: its placeholders (``L_q_``) come in first-use order
+    and its result is a tuple."""
+    names = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
+    return gm(*(inputs[name.removeprefix("L_").removesuffix("_")] for name in names))[0]
+
+
+def test_dynamo_graph_every_spelling_becomes_sdpa() -> None:
+    q, k, v, _ = qkvm()
+    model = Spellings()
+    gm = _dynamo_graph(model, (q, k, v))
+    result = replace_attention(gm, PassContext())
+    assert result.counts == {"attention": 4}
+    targets = _targets(result.graph_module)
+    # The graph keeps its level: the torch function, not the ATen overload.
+    assert targets.count(nn.functional.scaled_dot_product_attention) == 4
+    assert not any("softmax" in str(t) for t in targets)
+    for _ in range(3):
+        q, k, v, _ = qkvm()
+        torch.testing.assert_close(_run_dynamo_graph(result.graph_module, q=q, k=k, v=v),
+                                   model(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_dynamo_graph_with_mask_matches_eager() -> None:
+    gm = _dynamo_graph(Before(), qkvm())
+    result = replace_attention(gm, PassContext())
+    assert result.counts == {"attention": 1}
+    sdpa = next(n for n in result.graph_module.graph.nodes
+                if n.target is nn.functional.scaled_dot_product_attention)
+    assert sdpa.kwargs["scale"] == 0.125 and sdpa.kwargs["attn_mask"] is not None
+    for _ in range(3):
+        q, k, v, mask = qkvm()
+        torch.testing.assert_close(_run_dynamo_graph(result.graph_module, q=q, k=k, v=v,
+                                                     mask=mask),
+                                   Before()(q, k, v, mask), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["weights_returned", "softmax_dim", "implicit_dim",
+                                  "floor_division"])
+def test_dynamo_graph_does_not_fire_where_sdpa_would_differ(case: str) -> None:
+    class M(nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> object:
+            scores = q @ k.transpose(-2, -1)
+            if case == "weights_returned":
+                probs = scores.softmax(-1)
+                return probs @ v, probs
+            if case == "softmax_dim":
+                return scores.softmax(dim=-2) @ v
+            if case == "implicit_dim":  # F.softmax picks a dim itself (deprecated): not -1
+                return nn.functional.softmax(scores, dim=None) @ v
+            return torch.softmax(torch.div(scores, 4.0, rounding_mode="floor"), -1) @ v
+
+    q, k, v, _ = qkvm()
+    result = replace_attention(_dynamo_graph(M(), (q, k, v)), PassContext())
+    assert not result.modified
+
+
+def test_torch_compile_with_autoopt_backend_fuses_and_matches_eager() -> None:
+    model = Before()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="autoopt")
+    compiled(*qkvm())  # compile on the first call
+    inputs = qkvm()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = compiled(*inputs)
+    names = {e.key for e in prof.key_averages()}
+    assert "aten::scaled_dot_product_attention" in names
+    assert "aten::softmax" not in names
+    torch.testing.assert_close(out, model(*inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_optimize_falling_back_to_dynamo_reports_the_rewrite() -> None:
+    class Branchy(Before):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: torch.Tensor) -> torch.Tensor:
+            if q.sum() > 1e9:  # data-dependent: neither export nor symbolic_trace takes it
+                q = q * 2
+            return super().forward(q, k, v, mask)
+
+    fast = autoopt.optimize(Branchy(), qkvm(), {})
+    assert fast.report.capture_method == "dynamo", str(fast.report)
+    assert fast.report.pass_counts.get("attention") == 1, str(fast.report)
+    inputs = qkvm()
+    torch.testing.assert_close(fast(*inputs), Before()(*inputs), rtol=1e-5, atol=1e-5)
