@@ -175,7 +175,20 @@ class Diagnosis:
                              f"{plain_after.step.total_s * 1e3:.2f} ms without; not applied")
                 fast, after, use_prefetch = plain_fast, plain_after, plain_prefetch
                 remedies = []
+        # An option optimize accepted but did not apply (precision found no op it could
+        # cast, or that would be faster) is not credited with the speedup.
+        warnings = getattr(getattr(fast, "report", None), "warnings", [])
+        for option in list(remedies):
+            refused = [w for w in warnings if w.startswith(f"{option}=") and "not applied" in w]
+            if refused:
+                remedies.remove(option)
+                notes.append(refused[0])
         applied = ["fusion"] + remedies + (["prefetch"] if use_prefetch else [])
+        if after.step.total_s > self.step.total_s:
+            notes.append(f"the optimized module measured slower than the model "
+                         f"({after.step.total_s * 1e3:.2f} ms against "
+                         f"{self.step.total_s * 1e3:.2f} ms a step); keep the model as it is "
+                         f"for this workload")
         return BeforeAfter(self, after, applied, notes, fast)
 
     def _run_optimized(self, kwargs: dict[str, Any], steps: int | None,

@@ -257,3 +257,29 @@ def test_apply_drops_a_remedy_that_makes_the_step_slower(monkeypatch: pytest.Mon
     result = diagnosis.apply()
     assert result.applied == ["fusion"], str(result)
     assert any("memory_budget=" in n and "not applied" in n for n in result.notes), result.notes
+
+
+def test_apply_credits_no_option_optimize_did_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """precision='bf16' named by the diagnosis but refused by optimize (bf16 measured slower
+    here) is a note, not an applied remedy with the step's change credited to it."""
+    from autoopt import precision as precision_settings
+
+    speeds = {torch.float32: 2e11, torch.bfloat16: 1e11}
+    monkeypatch.setattr(precision_settings, "matmul_flops", lambda device, dtype: speeds[dtype])
+    model = _ManySmallOps().eval()
+    x = torch.randn(1, 16)
+    diagnosis = autoopt.diagnose(model, x, steps=3, roofline=False)
+    bf16 = Remedy("precision", "optimize(..., precision='bf16')", {"precision": "bf16"})
+    monkeypatch.setattr(type(diagnosis), "remedies", lambda self: [bf16])
+    measured = type(diagnosis)._run_optimized
+
+    def a_fast_first_measurement(self: Any, kwargs: dict[str, Any], *rest: Any) -> Any:
+        # The issue's case: a run that measured faster by chance, though nothing was cast.
+        fast, after, prefetched = measured(self, kwargs, *rest)
+        after.step = dataclasses.replace(after.step, total_s=after.step.total_s / 3)
+        return fast, after, prefetched
+
+    monkeypatch.setattr(type(diagnosis), "_run_optimized", a_fast_first_measurement)
+    result = diagnosis.apply()
+    assert "precision" not in result.applied, str(result)
+    assert any(n.startswith("precision='bf16' not applied") for n in result.notes), result.notes
