@@ -4,9 +4,8 @@
     print(fast.report)                                # what was captured and rewritten
 """
 
-from . import data  # autoopt.data.prefetch: asynchronous batch loading
 from .api import OptimizedModule, optimize
-from .backend import autoopt_backend
+from .capture.dynamo import autoopt_backend
 from .config import OptimizeConfig
 from .diagnose import Diagnosis, diagnose
 from .errors import (
@@ -18,9 +17,10 @@ from .errors import (
     ModelError,
     ModelSpecError,
 )
-from .onnx import OnnxReport, OnnxSession, OnnxVerificationError, export_onnx, onnx_session
-from .pipelining import Pipeline  # optimize(..., devices=[...]) returns one
+from .export.onnx import OnnxReport, OnnxSession, OnnxVerificationError, export_onnx, onnx_session
+from .parallel.pipeline import Pipeline  # optimize(..., devices=[...]) returns one
 from .report import CaptureRecord, PassRecord, Report
+from .runtime import prefetch as data  # autoopt.data.prefetch: asynchronous loading
 from .verify import Tolerance, VerifyResult
 
 __version__ = "0.1.0"

@@ -16,9 +16,9 @@ from torch import nn
 
 from .build import capture_example, check_inputs, prepare, unwrap
 from .config import OptimizeConfig
-from .html_report import collect, write_report
+from .diagnose.html_report import collect, write_report
 from .module import OptimizedModule, Specialization
-from .pipelining import pipeline_module
+from .parallel.pipeline import pipeline_module
 
 __all__ = ["OptimizedModule", "Specialization", "check_inputs", "optimize"]
 

@@ -17,9 +17,8 @@ from torch import nn
 from torch.fx import GraphModule
 
 from .errors import ConfigError
-from .offload import Offload, Offloader
 from .passes import PassContext
-from .passes.memory_plan import (
+from .planning.memory_plan import (
     MODES,
     OFFLOAD,
     SELECTIVE,
@@ -28,7 +27,8 @@ from .passes.memory_plan import (
     plan_memory,
     profile_activations,
 )
-from .passes.recompute import SELECTIVE_BACKWARD_TWICE, apply_plan
+from .runtime.offload import Offload, Offloader
+from .runtime.recompute import SELECTIVE_BACKWARD_TWICE, apply_plan
 
 log = logging.getLogger(__name__)
 

@@ -18,12 +18,12 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from . import cuda_graphs
 from .concurrency import GATE
 from .config import OptimizeConfig
 from .cost_model import CostModel
 from .guards import InputSignature, current_modes, signature_of
 from .report import Report
+from .runtime import cuda_graphs
 from .specialize import Capturer, Compiled, model_device
 from .verify import clone_inputs
 from .watch import ModuleWatch

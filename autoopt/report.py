@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .passes.memory_plan import MemoryPlan
 from .passes.precision import PrecisionSummary
+from .planning.memory_plan import MemoryPlan
 from .verify import VerifyResult
 
 

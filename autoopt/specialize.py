@@ -20,17 +20,17 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from . import capture as capture_lib
-from . import cuda_graphs
 from . import memory as memory_lib
-from .backend import autoopt_backend
+from .capture import graph as capture_lib
+from .capture.dynamo import autoopt_backend
 from .config import OptimizeConfig
 from .cost_model import CostModel
+from .driver import run_pipeline
 from .errors import ConfigError, ModelError
 from .guards import InputSignature, current_modes, needs_gradients, signature_of
 from .passes import PassContext
-from .pipeline import run_pipeline
 from .report import CaptureRecord, PassRecord, Report
+from .runtime import cuda_graphs
 from .state import has_hooks, preserved, python_state, uses_custom_autograd
 from .verify import VerifyResult, _leaves, check_all, clone_inputs, gradients, input_sets
 

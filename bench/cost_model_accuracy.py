@@ -26,7 +26,7 @@ import torchvision
 import transformers
 from torch import nn
 
-from autoopt.capture import export_graph, flat_example_inputs
+from autoopt.capture.graph import export_graph, flat_example_inputs
 from autoopt.cost_model import CostCache, CostModel
 from autoopt.cost_model.stages import balanced_cut, split_stages
 

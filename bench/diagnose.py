@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import autoopt
-from autoopt.data import prefetch
+from autoopt.runtime.prefetch import prefetch
 
 
 class SlowImages(Dataset):

@@ -40,9 +40,10 @@ from cost_model_accuracy import MODELS, publish
 from torch import nn
 from torch.fx import GraphModule
 
-from autoopt.capture import annotate, export_graph, flat_example_inputs
+from autoopt.capture.graph import annotate, export_graph, flat_example_inputs
 from autoopt.cost_model import CostCache, CostModel, GraphCost, NodeCost
-from autoopt.passes.partition import (
+from autoopt.parallel.pipeline import emit_stages, refine_by_measurement
+from autoopt.planning.partition import (
     COMPUTE_OPS,
     DeviceSpec,
     NodeProfile,
@@ -51,7 +52,6 @@ from autoopt.passes.partition import (
     evaluate,
     partition,
 )
-from autoopt.pipelining import emit_stages, refine_by_measurement
 
 METHODS = ("autoopt", "uniform-by-layer", "parameter-count")
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from autoopt.distributed import distributed_pipeline
+from autoopt.parallel.distributed import distributed_pipeline
 
 
 def small_gpt2(layers: int) -> torch.nn.Module:

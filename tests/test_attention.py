@@ -10,7 +10,7 @@ import transformers
 from torch import nn
 
 import autoopt
-from autoopt.capture import export_graph
+from autoopt.capture.graph import export_graph
 from autoopt.passes import PassContext, remove_noops, replace_attention
 
 aten = torch.ops.aten

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import autoopt
-from autoopt.capture import annotate, symbolic_trace_graph
+from autoopt.capture.graph import annotate, symbolic_trace_graph
 
 
 class Net(nn.Module):

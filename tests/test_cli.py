@@ -123,7 +123,7 @@ def test_an_unwritable_output_fails_before_the_work(argv: list[str],
     def load_model(spec: str) -> None:
         raise AssertionError("the model was loaded before the output path was checked")
 
-    monkeypatch.setattr("autoopt.loading.load_model", load_model)
+    monkeypatch.setattr("autoopt.cli.loading.load_model", load_model)
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "cannot create the folder" in err or "cannot write there" in err
@@ -236,7 +236,7 @@ def _fake_optimize(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     def optimize(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  **options: Any) -> SimpleNamespace:
         seen.update(options, model=model, args=args)
-        logging.getLogger("autoopt.pipeline").info("pass fold_batchnorm")
+        logging.getLogger("autoopt.driver").info("pass fold_batchnorm")
         logging.getLogger("autoopt.passes.packed_linear").debug("linear [4, 8]: 3 us vs 4 us")
         return SimpleNamespace(report="autoopt report (fake)")
 
@@ -358,7 +358,7 @@ def test_optimize_and_export_take_the_same_dynamic_values(
         capsys.readouterr().err
 
     exported: dict[str, Any] = {}
-    monkeypatch.setattr("autoopt.onnx.export_onnx",
+    monkeypatch.setattr("autoopt.export.onnx.export_onnx",
                         lambda *args, **kwargs: exported.update(kwargs) or "exported")
     for flags, dims_ in ((["--dynamic"], ("batch", "sequence")),
                          (["--dynamic", "all"], ("batch", "sequence")),
@@ -379,7 +379,7 @@ def test_run_prints_each_output_by_name(monkeypatch: pytest.MonkeyPatch,
         def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             return {"output": torch.zeros(feeds["x"].shape[0], 1000)}
 
-    monkeypatch.setattr("autoopt.onnx.onnx_session", lambda *args, **kwargs: Session())
+    monkeypatch.setattr("autoopt.export.onnx.onnx_session", lambda *args, **kwargs: Session())
     assert main(["run", "model.onnx", "--input", "8x3x4x4"]) == 0
     assert capsys.readouterr().out.splitlines() == ["providers: CPUExecutionProvider",
                                                     "output: float32[8, 1000]"]

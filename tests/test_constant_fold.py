@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule
 
-from autoopt.capture import export_graph
+from autoopt.capture.graph import export_graph
 from autoopt.passes import PassContext, constant_fold
 
 aten = torch.ops.aten

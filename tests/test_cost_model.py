@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from autoopt.capture import export_graph
+from autoopt.capture.graph import export_graph
 from autoopt.cost_model import CostCache, CostModel, device_info
 from autoopt.cost_model.estimate import count_flops, is_view, op_family
 

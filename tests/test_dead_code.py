@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoopt.capture import export_graph, symbolic_trace_graph
+from autoopt.capture.graph import export_graph, symbolic_trace_graph
 from autoopt.passes import PassContext, eliminate_dead_code
 from autoopt.passes.graph import is_impure
 

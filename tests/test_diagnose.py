@@ -15,9 +15,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import autoopt
-from autoopt.diagnose import Remedy
+from autoopt.diagnose.diagnosis import Remedy
+from autoopt.diagnose.sampler import UtilizationSampler
 from autoopt.errors import ConfigError, InputError, ModelError
-from autoopt.sampler import UtilizationSampler
 
 # Real runs are timed here: one intra-op thread, as the benchmarks use (conftest).
 pytestmark = pytest.mark.usefixtures("one_thread")

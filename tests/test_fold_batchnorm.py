@@ -10,7 +10,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 import autoopt
-from autoopt.capture import export_graph, symbolic_trace_graph
+from autoopt.capture.graph import export_graph, symbolic_trace_graph
 from autoopt.passes import PassContext, fold_batchnorm
 
 aten = torch.ops.aten

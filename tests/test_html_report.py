@@ -13,8 +13,8 @@ from checks import assert_bit_identical, snapshot
 from model_zoo import bert, resnet18
 
 import autoopt
+from autoopt.diagnose.html_report import ReportData, collect, render_html, write_report
 from autoopt.errors import ConfigError
-from autoopt.html_report import ReportData, collect, render_html, write_report
 
 # Real runs are timed here: one intra-op thread, as the benchmarks use (conftest).
 pytestmark = pytest.mark.usefixtures("one_thread")

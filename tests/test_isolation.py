@@ -20,11 +20,11 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from autoopt.capture import export_graph
+from autoopt.capture.graph import export_graph
 from autoopt.cost_model import CostCache, CostModel
 from autoopt.memory import plan_for
 from autoopt.passes import PassContext
-from autoopt.passes.memory_plan import profile_activations
+from autoopt.planning.memory_plan import profile_activations
 from autoopt.state import preserved
 
 

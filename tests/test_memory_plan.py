@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import autoopt
-from autoopt.capture import export_graph
+from autoopt.capture.graph import export_graph
 from autoopt.memory import budget_bytes, parse_budget
-from autoopt.passes.memory_plan import (
+from autoopt.planning.memory_plan import (
     KEEP,
     MODES,
     OFFLOAD,
@@ -246,7 +246,7 @@ def test_a_plan_that_changes_the_function_is_an_error_not_a_silent_fallback(
     read as "captured graph differs from eager" and the capture fell through to Dynamo, where
     no plan applies, so the budget the user asked for was dropped."""
     import autoopt.specialize as specialize
-    from autoopt.pipeline import copy_graph_module
+    from autoopt.driver import copy_graph_module
 
     real = specialize.memory_lib.apply_memory_budget
 

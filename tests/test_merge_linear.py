@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from autoopt.capture import export_graph
+from autoopt.capture.graph import export_graph
 from autoopt.cost_model import CostCache, CostModel
 from autoopt.passes import PassContext, merge_linear
 

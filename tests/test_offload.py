@@ -15,9 +15,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 import autoopt
-from autoopt.capture import export_graph, flat_example_inputs
-from autoopt.offload import Offload, Offloader
-from autoopt.passes.memory_plan import (
+from autoopt.capture.graph import export_graph, flat_example_inputs
+from autoopt.planning.memory_plan import (
     KEEP,
     MODES,
     OFFLOAD,
@@ -26,7 +25,8 @@ from autoopt.passes.memory_plan import (
     MemoryPlan,
     profile_activations,
 )
-from autoopt.passes.recompute import apply_plan
+from autoopt.runtime.offload import Offload, Offloader
+from autoopt.runtime.recompute import apply_plan
 
 
 def _mlp() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:

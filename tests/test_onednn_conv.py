@@ -13,11 +13,11 @@ from torch import nn
 from torch.fx import GraphModule
 
 import autoopt
-from autoopt.capture import export_graph
+from autoopt.capture.graph import export_graph
 from autoopt.cost_model import CostCache, CostModel
+from autoopt.driver import portable
 from autoopt.passes import PassContext, onednn_conv
 from autoopt.passes.onednn_conv import PackedConv, available
-from autoopt.pipeline import portable
 
 pytestmark = pytest.mark.skipif(not available(torch.device("cpu")),
                                 reason="this PyTorch build has no oneDNN fused convolution")

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autoopt.errors import InputError
-from autoopt.onnx_stages import OnnxStages, export_onnx_stages
+from autoopt.export.onnx_stages import OnnxStages, export_onnx_stages
 
 
 def test_stages_run_in_sequence_under_ort_equal_eager(tmp_path: Path) -> None:

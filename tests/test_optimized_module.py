@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import autoopt
-from autoopt.emit import save_program
+from autoopt.export.program import save_program
 
 
 def mlp() -> nn.Module:

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from autoopt.capture import export_graph
+from autoopt.capture.graph import export_graph
 from autoopt.cost_model import GraphCost, NodeCost
-from autoopt.passes.partition import (
+from autoopt.planning.partition import (
     DeviceSpec,
     PartitionError,
     allowed_cuts,

@@ -21,12 +21,11 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 import autoopt
-from autoopt.capture import export_graph
+from autoopt.capture.graph import export_graph
 from autoopt.cli import main
 from autoopt.cost_model import CostModel
 from autoopt.errors import ConfigError, InputError
-from autoopt.passes.partition import DeviceSpec, partition
-from autoopt.pipelining import (
+from autoopt.parallel.pipeline import (
     Pipeline,
     device_specs,
     emit_stages,
@@ -35,6 +34,7 @@ from autoopt.pipelining import (
     pipeline_from_graph,
     split_microbatches,
 )
+from autoopt.planning.partition import DeviceSpec, partition
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -215,7 +215,7 @@ def test_cli_rejects_an_unreadable_memory_size(capsys: pytest.CaptureFixture[str
 def test_stage_outputs_sent_between_processes_are_contiguous_whatever_the_metadata() -> None:
     """A cut after a transpose whose node carries no trace metadata (as a node a pass adds
     may not): the stage still sends, and sizes gradient buffers from, contiguous outputs."""
-    from autoopt.distributed import _contiguous_boundaries
+    from autoopt.parallel.distributed import _contiguous_boundaries
 
     class Cut(nn.Module):
         def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,7 +237,7 @@ def test_stage_input_gradients_sent_back_are_contiguous() -> None:
     """A stage that transposes its input (as attention does with the output of the stage
     before) gets a strided gradient from autograd; sent back, and used to size the previous
     stage's receive buffer, it must be contiguous (gloo refused it in CI)."""
-    from autoopt.distributed import _contiguous_boundaries
+    from autoopt.parallel.distributed import _contiguous_boundaries
 
     class Attends(nn.Module):
         def __init__(self) -> None:
@@ -312,7 +312,7 @@ def _distributed_worker() -> int:
     ``FAIL`` line per check."""
     import torch.distributed as dist
 
-    from autoopt.distributed import distributed_pipeline
+    from autoopt.parallel.distributed import distributed_pipeline
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -554,7 +554,7 @@ def test_bad_schedules_and_inputs_are_clear_errors() -> None:
 
 
 def test_distributed_pipeline_needs_an_initialised_process_group_and_a_loss() -> None:
-    from autoopt.distributed import distributed_pipeline
+    from autoopt.parallel.distributed import distributed_pipeline
 
     model, args, _ = MODELS["inception"]()
     with pytest.raises(ConfigError, match="schedule must be one of \\['1f1b', 'gpipe'\\]"):

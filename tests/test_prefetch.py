@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from autoopt.data import prefetch
 from autoopt.errors import ConfigError, DeviceError
+from autoopt.runtime.prefetch import prefetch
 
 
 class _Numbered(Dataset):

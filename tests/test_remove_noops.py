@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoopt.capture import export_graph, symbolic_trace_graph
+from autoopt.capture.graph import export_graph, symbolic_trace_graph
 from autoopt.passes import PassContext, remove_noops
 
 aten = torch.ops.aten

@@ -58,7 +58,7 @@ def load_workload(args: argparse.Namespace, *, train: bool | None = None,
     """The preamble of every command that takes a MODEL: threads, the model (in train mode
     when ``train`` is True, eval when False, as it comes when None) and random inputs from
     the ``--input`` specs."""
-    from ..loading import load_model, model_inputs
+    from .loading import load_model, model_inputs
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -129,7 +129,7 @@ def named_dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
                          dims: Sequence[str]) -> Any:
     """A ``torch.export`` ``dynamic_shapes`` that leaves ``batch`` and/or ``sequence``
     symbolic (the same rule as ``export_onnx``'s ``dynamic=``)."""
-    from ..capture import dynamic_shapes_for
+    from ..capture.graph import dynamic_shapes_for
     from ..errors import InputError
 
     def tensor_dims(value: torch.Tensor) -> dict[int, Any] | None:
@@ -153,7 +153,7 @@ def named_dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
 def check_output(value: str | None, option: str) -> None:
     """Make the output's folder and check the file can be written, so that a bad path fails
     in a second, not after minutes of optimizing and measuring."""
-    from ..onnx import check_writable
+    from ..export.onnx import check_writable
 
     if not value:
         return

@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..diagnose import console_progress, diagnose, load_batches
+    from ..diagnose.diagnosis import console_progress, diagnose, load_batches
 
     if not args.input and not args.loader:
         raise InputError("autoopt diagnose needs --input SHAPE (repeatable) or --loader "

@@ -43,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..api import optimize
-    from ..emit import save_program
+    from ..export.program import save_program
 
     budget = None
     if args.memory_budget is not None:

@@ -19,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..profiling import format_table, profile_model
+    from ..diagnose.profiling import format_table, profile_model
 
     check_output(args.json, "--json")
     model, inputs, kwargs = load_workload(args)

@@ -24,8 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..diagnose import console_progress
-    from ..html_report import collect, write_report
+    from ..diagnose.diagnosis import console_progress
+    from ..diagnose.html_report import collect, write_report
 
     check_output(args.output, "-o")
     if not args.input:

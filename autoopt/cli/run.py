@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from ..onnx import OnnxSession
+from ..export.onnx import OnnxSession
 from .common import add_common_arguments
 from .progress import output, stage
 
@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..onnx import onnx_session
+    from ..export.onnx import onnx_session
 
     stage(f"loading {args.model}")
     session = onnx_session(args.model, device=args.device, threads=args.threads)
@@ -70,7 +70,7 @@ def _feeds(session: OnnxSession, specs: list[str], int_high: int) -> dict[str, t
     """``--input`` specs -> tensors named after the model's inputs; a spec's dtype defaults
     to the model's input type and unnamed specs fill the inputs in order."""
     from ..errors import InputError
-    from ..loading import parse_input
+    from .loading import parse_input
 
     names = session.input_names
     feeds: dict[str, torch.Tensor] = {}

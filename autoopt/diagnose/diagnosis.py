@@ -34,8 +34,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .cost_model import CostModel, GraphCost, device_info
-from .errors import ConfigError, InputError, ModelError
+from ..cost_model import CostModel, GraphCost, device_info
+from ..errors import ConfigError, InputError, ModelError
 from .sampler import Utilization, UtilizationSampler
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class Diagnosis:
         if self.workload is None:
             raise ConfigError("this Diagnosis holds no workload to re-run (it was loaded or "
                               "copied); call autoopt.diagnose again")
-        from .config import OptimizeConfig
+        from ..config import OptimizeConfig
 
         known = {f.name for f in dataclasses.fields(OptimizeConfig)}
         kwargs: dict[str, Any] = {}
@@ -196,7 +196,7 @@ class Diagnosis:
         """``optimize`` with ``kwargs``, then the workload diagnosed on the result (through
         ``prefetch`` where data loading is a cause): the module, its diagnosis, and whether
         prefetch was used."""
-        from .build import build as optimize
+        from ..build import build as optimize
 
         w = self.workload
         assert w is not None
@@ -207,7 +207,7 @@ class Diagnosis:
         use_prefetch = any(f.cause == "data" for f in self.findings) and w.is_loader
         source: Any = w.source
         if use_prefetch:
-            from .data import prefetch
+            from ..runtime.prefetch import prefetch
 
             source = prefetch(w.source, w.device, depth=2)
         try:
@@ -378,7 +378,7 @@ class _Workload:
             self.model.train(self.training)
             yield
             return
-        from .state import preserved
+        from ..state import preserved
 
         modes = [(m, m.training) for m in self.model.modules()]
         grads = [(p, p.grad) for p in self.model.parameters()]
@@ -517,8 +517,8 @@ def _profile_ops(w: _Workload, batches: Iterator[Any], steps: int, progress: Pro
 
 def _roofline(w: _Workload, progress: Progress) -> GraphCost | None:
     """The cost model's per-node profile of the model's graph, or None if it has none."""
-    from .capture import export_graph, flat_example_inputs
-    from .module import OptimizedModule
+    from ..capture.graph import export_graph, flat_example_inputs
+    from ..module import OptimizedModule
 
     args, kwargs = w.example()
     # An OptimizedModule: the graph it runs, else its private copy of the model is exported.
@@ -811,7 +811,7 @@ def load_batches(spec: str) -> Iterable[Any]:
     import importlib.util
     from pathlib import Path
 
-    from .errors import ModelSpecError
+    from ..errors import ModelSpecError
 
     if ":" not in spec:
         raise ModelSpecError(f"--loader {spec!r} must be 'package.module:name' or "
@@ -838,28 +838,3 @@ def load_batches(spec: str) -> Iterable[Any]:
         raise ModelSpecError(f"--loader {spec!r} gave {type(batches).__name__}, not an "
                              "iterable of batches (a DataLoader)")
     return batches
-
-
-def diagnose_command(args: Any) -> int:
-    """``autoopt diagnose MODEL (--input ... | --loader ...) [--training] [--apply]``."""
-    from .loading import load_model, model_inputs
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if not args.input and not args.loader:
-        raise InputError("autoopt diagnose needs --input SHAPE (repeatable) or --loader "
-                         "file.py:make_loader")
-    model = load_model(args.model)
-    if args.loader:
-        data: Any = load_batches(args.loader)
-        kwargs: dict[str, Any] = {}
-    else:
-        data, kwargs = model_inputs(args.input, args.dtype, args.int_high)
-    diagnosis = diagnose(model, data, kwargs or None, training=args.training, steps=args.steps,
-                         device=args.device, interval_s=args.interval,
-                         progress=console_progress)
-    print(diagnosis)
-    if args.apply:
-        print()
-        print(diagnosis.apply(progress=console_progress))
-    return 0

@@ -14,13 +14,13 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from .capture import annotate, concrete_inputs
-from .config import OptimizeConfig
-from .cost_model import CostModel
-from .passes import PassContext
-from .pipeline import copy_graph_module, run_pipeline
-from .report import CaptureRecord, PassRecord
-from .verify import VERIFY_SEED, VerifyResult, check_all, fresh_like
+from ..config import OptimizeConfig
+from ..cost_model import CostModel
+from ..driver import copy_graph_module, run_pipeline
+from ..passes import PassContext
+from ..report import CaptureRecord, PassRecord
+from ..verify import VERIFY_SEED, VerifyResult, check_all, fresh_like
+from .graph import annotate, concrete_inputs
 
 
 def autoopt_backend(gm: GraphModule, example_inputs: Sequence[Any], *,

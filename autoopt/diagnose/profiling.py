@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 from collections import defaultdict
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from .capture import export_graph, flat_example_inputs
-from .cost_model import CostModel, GraphCost
-from .errors import DeviceError, ModelError
-from .passes.graph import is_impure
+from ..capture.graph import export_graph, flat_example_inputs
+from ..cost_model import CostModel, GraphCost
+from ..errors import DeviceError, ModelError
+from ..passes.graph import is_impure
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,20 +82,3 @@ def format_table(summary: ProfileSummary, top: int = 20) -> str:
                  f"measured), measured {summary.measured_s * 1e3:.3f} ms, error "
                  f"{summary.error:+.1%}")
     return "\n".join(lines)
-
-
-def profile_command(args: argparse.Namespace) -> int:
-    from .loading import load_model, model_inputs
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model = load_model(args.model)
-    inputs, kwargs = model_inputs(args.input, args.dtype, args.int_high)
-    summary = profile_model(model, inputs, kwargs, args.device)
-    print(format_table(summary, args.top))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": summary.device, "threads": summary.threads,
-                       "predicted_s": summary.cost.latency_s, "measured_s": summary.measured_s,
-                       "nodes": [dataclasses.asdict(c) for c in summary.cost.nodes]}, f, indent=1)
-    return 0

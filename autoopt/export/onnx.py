@@ -40,9 +40,10 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from . import precision as precision_lib
-from .capture import dynamic_shapes_for
-from .errors import (
+from .. import precision as precision_lib
+from ..capture.graph import dynamic_shapes_for
+from ..driver import portable
+from ..errors import (
     ArgumentError,
     AutoOptError,
     ConfigError,
@@ -52,8 +53,7 @@ from .errors import (
     ModelSpecError,
     require,
 )
-from .pipeline import portable
-from .verify import Tolerance, VerifyResult, _leaves, check_all, input_sets
+from ..verify import Tolerance, VerifyResult, _leaves, check_all, input_sets
 
 log = logging.getLogger(__name__)
 
@@ -197,9 +197,9 @@ def export_onnx(model_or_optimized: nn.Module, example_inputs: Any, path: str | 
         >>> report = autoopt.export_onnx(resnet, (x,), "resnet.onnx", dynamic="batch")
         >>> print(report)
     """
-    from .build import build as optimize
-    from .build import check_inputs
-    from .module import OptimizedModule
+    from ..build import build as optimize
+    from ..build import check_inputs
+    from ..module import OptimizedModule
 
     start = time.perf_counter()
     onnx = require("onnx", "ONNX export", "pip install onnx onnxscript")

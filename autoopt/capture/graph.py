@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils import _pytree as pytree
 
-from .state import preserved
+from ..state import preserved
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from torch.utils import _pytree as pytree
 
 from autoopt.cost_model.isolation import preserved, unwritten_inputs
 
-from . import ops
+from ..passes import ops
 
 log = logging.getLogger(__name__)
 

@@ -24,11 +24,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .capture import export_graph
-from .errors import InputError
+from ..capture.graph import export_graph
+from ..errors import InputError
+from ..parallel.pipeline import device_specs, emit_stages, plan_stages
+from ..planning.partition import Partition
 from .onnx import OnnxReport, eval_mode, export_onnx, onnx_session
-from .passes.partition import Partition
-from .pipelining import device_specs, emit_stages, plan_stages
 
 log = logging.getLogger(__name__)
 

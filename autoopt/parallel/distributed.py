@@ -36,11 +36,11 @@ from torch.fx import GraphModule, Node
 from torch.fx._pytree import tree_flatten_spec
 from torch.utils import _pytree as pytree
 
-from .capture import export_graph
-from .cost_model import CostModel
-from .errors import ConfigError
-from .passes.partition import Partition
-from .pipelining import (
+from ..capture.graph import export_graph
+from ..cost_model import CostModel
+from ..errors import ConfigError
+from ..planning.partition import Partition
+from .pipeline import (
     check_mergeable_outputs,
     device_specs,
     emit_stages,

@@ -16,12 +16,10 @@ processes (``autoopt.distributed``).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import dataclasses
 import logging
-import re
 import statistics
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -32,15 +30,15 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx._pytree import tree_flatten_spec
 from torch.utils import _pytree as pytree
 
-from .cost_model import CostModel, GraphCost, NodeCost
-from .errors import ConfigError, InputError, ModelError
-from .passes.partition import DeviceSpec, Partition, PartitionError, partition
-from .pipeline import portable
-from .state import preserved
-from .verify import compare
+from ..cost_model import CostModel, GraphCost, NodeCost
+from ..driver import portable
+from ..errors import ConfigError, InputError, ModelError
+from ..planning.partition import DeviceSpec, Partition, PartitionError, partition
+from ..state import preserved
+from ..verify import compare
 
 if TYPE_CHECKING:
-    from .module import OptimizedModule
+    from ..module import OptimizedModule
 
 log = logging.getLogger(__name__)
 
@@ -658,53 +656,6 @@ def pipeline_module(optimized: OptimizedModule, args: tuple[Any, ...], kwargs: d
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10,
           "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """``16GiB``, ``512MB``, ``1e9`` -> bytes."""
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ConfigError(f"--memory {text!r} is not a size; write e.g. 16GiB, 512MiB or 8GB")
-    try:
-        return int(float(match.group(1)) * _UNITS[unit])
-    except ValueError as exc:
-        raise ConfigError(f"--memory {text!r} is not a size; write e.g. 16GiB") from exc
-
-
-def partition_command(args: argparse.Namespace) -> int:
-    """``autoopt partition MODEL --input ... --stages K``: print the stage table (and plot)."""
-    from .capture import export_graph
-    from .loading import load_model, model_inputs
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    devices = args.devices.split(",") if args.devices else ["cpu"] * args.stages
-    if len(devices) != args.stages:
-        raise ConfigError(f"--devices lists {len(devices)} device(s) for --stages "
-                          f"{args.stages}; list one per stage.")
-    memory = parse_bytes(args.memory) if args.memory else None
-    if args.plot:
-        _require_matplotlib()
-    model = load_model(args.model).eval()
-    inputs, kwargs = model_inputs(args.input, args.dtype, args.int_high)
-    with torch.no_grad():
-        gm = export_graph(model, inputs, kwargs)
-    flat = pytree.tree_leaves((inputs, kwargs))
-    cost_model = CostModel("cpu")
-    present = all(torch.device(d).type == "cpu" or (torch.device(d).index or 0)
-                  < torch.cuda.device_count() for d in devices)
-    if present:
-        specs = measured_device_specs(devices, cost_model, memory)
-    else:  # planning for devices elsewhere: priced as this CPU
-        specs = device_specs(devices, memory)
-        print("note: not every device is on this machine; stages are priced as on this CPU")
-    plan = plan_stages(gm, flat, specs, cost_model=cost_model, microbatches=args.microbatches)
-    print(plan.table())
-    if args.plot:
-        plot_stages(plan, args.plot)
-        print(f"wrote {args.plot}")
-    return 0
 
 
 def _require_matplotlib() -> None:

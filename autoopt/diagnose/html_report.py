@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .diagnose import CAUSES, Diagnosis, OpTime, Progress, diagnose
-from .report import Report
-from .state import preserved
+from ..report import Report
+from ..state import preserved
+from .diagnosis import CAUSES, Diagnosis, OpTime, Progress, diagnose
 
 # One colour per cause and per bound, shared by every chart.
 _COLOURS = {"data": "#e4572e", "memory": "#4c72b0", "operators": "#f3a712",
@@ -84,7 +84,7 @@ def collect(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] |
         progress: wraps long loops, ``(iterable, description) -> iterable``.
         **options: ``optimize`` options.
     """
-    from .build import build as optimize
+    from ..build import build as optimize
 
     kwargs = dict(kwargs or {})
     progress = progress or (lambda it, desc: it)
@@ -524,39 +524,3 @@ td.applied{color:#1a7f37}td.rolled_back,td.failed{color:#cf222e}td.unchanged{col
 font-size:12px}pre{background:#f6f8fa;padding:8px;font-size:12px;overflow-x:auto}
 code{font-size:12px}
 """
-
-
-def report_command(args: Any) -> int:
-    """``autoopt report MODEL --input ... -o report.html``."""
-    from .diagnose import console_progress
-    from .errors import InputError
-    from .loading import load_model, model_inputs
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if not args.input:
-        raise InputError("autoopt report needs --input SHAPE (repeatable), e.g. "
-                         "--input 1x3x224x224")
-    model = load_model(args.model)
-    if not args.model.endswith(".pt2"):
-        model.train(args.training)
-    inputs, kwargs = model_inputs(args.input, args.dtype, args.int_high)
-    if args.device:
-        inputs, kwargs = _to(inputs, torch.device(args.device)), _to(kwargs,
-                                                                      torch.device(args.device))
-    data = collect(model, inputs, kwargs, training=args.training, steps=args.steps,
-                   title=args.title or args.model, progress=console_progress,
-                   disable=tuple(args.disable), device=args.device)
-    path = write_report(args.output, data)
-    print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
-    for name, seconds in data.latency_s.items():
-        print(f"{name}: {seconds * 1e3:.3f} ms")
-    if data.before is not None and data.before.top is not None:
-        print(f"top cause: {data.before.top.cause} ({data.before.top.share:.0%} of step time)")
-    return 0
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    from torch.utils import _pytree as pytree
-
-    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), value)

@@ -31,8 +31,8 @@ from torch.utils.checkpoint import (
 from autoopt.cost_model.isolation import written_placeholders
 from autoopt.cost_model.stages import split_stages
 
-from . import ops
-from .memory_plan import KEEP, OFFLOAD, RECOMPUTE, SELECTIVE, MemoryPlan
+from ..passes import ops
+from ..planning.memory_plan import KEEP, OFFLOAD, RECOMPUTE, SELECTIVE, MemoryPlan
 
 OffloadWrap = Callable[[nn.Module, int], nn.Module]
 
