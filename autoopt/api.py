@@ -16,7 +16,8 @@ from torch import nn
 
 from .build import capture_example, check_inputs, prepare, unwrap
 from .config import OptimizeConfig
-from .diagnose.html_report import collect, write_report
+from .diagnose.collect import collect
+from .diagnose.render import write_report
 from .module import OptimizedModule, Specialization
 from .parallel.pipeline import pipeline_module
 

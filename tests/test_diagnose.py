@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import autoopt
-from autoopt.diagnose.diagnosis import Remedy
+from autoopt.diagnose.findings import Remedy
 from autoopt.diagnose.sampler import UtilizationSampler
 from autoopt.errors import ConfigError, InputError, ModelError
 

@@ -13,7 +13,8 @@ from checks import assert_bit_identical, snapshot
 from model_zoo import bert, resnet18
 
 import autoopt
-from autoopt.diagnose.html_report import ReportData, collect, render_html, write_report
+from autoopt.diagnose.collect import ReportData, collect
+from autoopt.diagnose.render import render_html, write_report
 from autoopt.errors import ConfigError
 
 # Real runs are timed here: one intra-op thread, as the benchmarks use (conftest).

@@ -31,7 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..diagnose.diagnosis import console_progress, diagnose, load_batches
+    from ..diagnose.diagnosis import diagnose
+    from ..diagnose.workload import console_progress, load_batches
 
     if not args.input and not args.loader:
         raise InputError("autoopt diagnose needs --input SHAPE (repeatable) or --loader "

@@ -24,8 +24,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..diagnose.diagnosis import console_progress
-    from ..diagnose.html_report import collect, write_report
+    from ..diagnose.collect import collect
+    from ..diagnose.render import write_report
+    from ..diagnose.workload import console_progress
 
     check_output(args.output, "-o")
     if not args.input:

@@ -1,153 +1,32 @@
 """One self-contained HTML file that shows what autoopt found and did, as charts.
 
-    data = collect(model, (x,), {}, optimized=fast)     # measures before/after, diagnoses
-    write_report("report.html", data)
+    write_report("report.html", collect(model, (x,), {}, optimized=fast))
 
 Sections: before/after latency, where step time goes (the diagnosis, with evidence and fixes),
 the per-op time breakdown before and after, utilization over time, what each pass changed,
 and, where the optimized module has them, the precision map, the stage partition with
 per-stage time and memory, and the memory plan ("not used" otherwise). Charts are matplotlib
-figures inlined as SVG; the file loads nothing from the network, so it opens anywhere.
+figures inlined as SVG; the file loads nothing from the network, so it opens anywhere. What is
+shown is measured by ``collect`` (``autoopt.diagnose.collect``).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import datetime
 import html
-import io
-import re
-import statistics
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
-from ..report import Report
-from ..state import preserved
-from .diagnosis import CAUSES, Diagnosis, OpTime, Progress, diagnose
+from .charts import COLOURS, figure, svg
+from .collect import ReportData
+from .diagnosis import Diagnosis
+from .findings import CAUSES
+from .per_op import OpTime
 
-# One colour per cause and per bound, shared by every chart.
-_COLOURS = {"data": "#e4572e", "memory": "#4c72b0", "operators": "#f3a712",
-            "parallelism": "#8172b2", "useful compute": "#55a868", "other": "#bbbbbb",
-            "compute": "#55a868", "overhead": "#f3a712", "": "#999999",
-            "before": "#9aa5b1", "after": "#2a9d8f"}
 _TOP_OPS = 12
-
-
-@dataclass
-class ReportData:
-    """Everything the HTML report shows; any part may be missing.
-
-    Args:
-        title: the heading, usually the model's name.
-        device: where it ran.
-        latency_s: label -> median seconds per call (``eager``, ``autoopt``), measured
-            interleaved in one run.
-        before, after: diagnoses of the original and the optimized module.
-        optimized: the module ``optimize`` returned (its ``report`` lists the passes).
-        report: the optimize report, when no module is at hand.
-    """
-
-    title: str
-    device: str = "cpu"
-    threads: int = field(default_factory=torch.get_num_threads)
-    latency_s: dict[str, float] = field(default_factory=dict)
-    before: Diagnosis | None = None
-    after: Diagnosis | None = None
-    optimized: nn.Module | None = None
-    report: Report | None = None
-    created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc)
-                         .strftime("%Y-%m-%d %H:%M UTC"))
-
-
-def collect(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None,
-            *, optimized: nn.Module | None = None, training: bool = False, steps: int = 10,
-            repeats: int = 15, title: str | None = None, interval_s: float = 0.02,
-            progress: Progress | None = None, **options: Any) -> ReportData:
-    """Optimize ``model`` (unless ``optimized`` is given), diagnose both, time both.
-
-    Args:
-        model: the original module (not modified).
-        args, kwargs: example inputs.
-        optimized: the result of ``optimize``; made with ``options`` when None.
-        training: diagnose training steps (forward and backward).
-        steps: diagnosis steps for each module.
-        repeats: interleaved timed calls of each module for the latency chart.
-        title: the heading (default: the model's class name).
-        interval_s: seconds between utilization samples.
-        progress: wraps long loops, ``(iterable, description) -> iterable``.
-        **options: ``optimize`` options.
-    """
-    from ..build import build as optimize
-
-    kwargs = dict(kwargs or {})
-    progress = progress or (lambda it, desc: it)
-    if optimized is None:
-        for _ in progress([0], "optimize (capture, passes, verification)"):
-            optimized = optimize(model, args, kwargs, training=training, **options)
-    device = next((t.device for t in _tensors((args, kwargs))), None)
-    before = diagnose(model, args, kwargs, training=training, steps=steps, device=device,
-                      interval_s=interval_s, progress=progress)
-    after = diagnose(optimized, args, kwargs, training=training, steps=steps, device=device,
-                     interval_s=interval_s, progress=progress)
-    # Timed on copies: a training-mode call updates BatchNorm statistics, and neither the
-    # user's model nor the returned module may change. One that cannot be copied runs in
-    # place and is restored.
-    in_place: list[nn.Module] = []
-    eager, fast = _copy_or_keep(model, in_place), _copy_or_keep(optimized, in_place)
-    if device is not None and eager is not model:
-        eager.to(device)
-    modes = [(m, m.training) for held in in_place for m in held.modules()]
-    try:
-        with preserved(*in_place):
-            eager.train(training)
-            fast.train(training)
-            latency = interleaved_latency({"eager": eager, "autoopt": fast}, args, kwargs,
-                                          repeats, training, progress)
-    finally:
-        for m, mode in modes:
-            m.training = mode
-    return ReportData(title or type(model).__name__, before.device, latency_s=latency,
-                      before=before, after=after, optimized=optimized,
-                      report=getattr(optimized, "report", None))
-
-
-def _copy_or_keep(module: nn.Module, in_place: list[nn.Module]) -> nn.Module:
-    try:
-        return copy.deepcopy(module)
-    except Exception:  # noqa: BLE001 - e.g. a lock inside: time it in place, restore after
-        in_place.append(module)
-        return module
-
-
-def interleaved_latency(modules: Mapping[str, Callable[..., Any]], args: tuple[Any, ...],
-                        kwargs: Mapping[str, Any], repeats: int = 15, training: bool = False,
-                        progress: Progress | None = None) -> dict[str, float]:
-    """Median seconds per call of each module, called in turn so drift hits all alike."""
-    progress = progress or (lambda it, desc: it)
-    devices = {t.device for t in _tensors((args, kwargs))}
-    cuda = any(d.type == "cuda" for d in devices)
-    samples: dict[str, list[float]] = {name: [] for name in modules}
-    grad = torch.enable_grad() if training else torch.no_grad()
-    with grad:
-        for fn in modules.values():  # warm-up
-            fn(*args, **kwargs)
-        for _ in progress(range(repeats), "benchmark before/after"):
-            for name, fn in modules.items():
-                if cuda:
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                fn(*args, **kwargs)
-                if cuda:
-                    torch.cuda.synchronize()
-                samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def write_report(path: str | Path, data: ReportData) -> Path:
@@ -170,8 +49,6 @@ def render_html(data: ReportData) -> str:
             f"<p class=\"meta\">{_e(data.device)}, {data.threads} thread(s), {_e(data.created)}"
             f"</p>{body}</body></html>\n")
 
-
-# --- sections ------------------------------------------------------------------------------
 
 def _summary(data: ReportData) -> str:
     cards = []
@@ -197,14 +74,14 @@ def _latency_section(data: ReportData) -> str:
         return _section("Before / after latency", "<p class=\"none\">not measured</p>")
     names = list(data.latency_s)
     ms = [data.latency_s[n] * 1e3 for n in names]
-    fig, ax = _figure(6.5, 0.6 + 0.5 * len(names))
-    bars = ax.barh(names, ms, color=[_COLOURS["before"], _COLOURS["after"]][:len(names)]
-                   + [_COLOURS["after"]] * max(0, len(names) - 2))
+    fig, ax = figure(6.5, 0.6 + 0.5 * len(names))
+    bars = ax.barh(names, ms, color=[COLOURS["before"], COLOURS["after"]][:len(names)]
+                   + [COLOURS["after"]] * max(0, len(names) - 2))
     ax.bar_label(bars, labels=[f"{v:.3f} ms" for v in ms], padding=3, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("median latency per call (ms), interleaved runs")
     ax.set_xlim(0, max(ms) * 1.25)
-    return _section("Before / after latency", _svg(fig))
+    return _section("Before / after latency", svg(fig))
 
 
 def _diagnosis_section(data: ReportData) -> str:
@@ -212,12 +89,12 @@ def _diagnosis_section(data: ReportData) -> str:
     if not rows:
         return _section("Diagnosis", "<p class=\"none\">not run</p>")
     keys = list(CAUSES) + ["useful compute", "other"]
-    fig, ax = _figure(7.5, 0.9 + 0.55 * len(rows))
+    fig, ax = figure(7.5, 0.9 + 0.55 * len(rows))
     for i, (_, d) in enumerate(rows):
         left = 0.0
         for key in keys:
             share = d.shares.get(key, 0.0) * d.step.total_s * 1e3
-            ax.barh(i, share, left=left, color=_COLOURS[key],
+            ax.barh(i, share, left=left, color=COLOURS[key],
                     label=key if i == 0 else None)
             left += share
     ax.set_yticks(range(len(rows)), [f"{label}\n{d.step.total_s * 1e3:.2f} ms/step"
@@ -226,7 +103,7 @@ def _diagnosis_section(data: ReportData) -> str:
     ax.set_xlabel("step time (ms) by cause")
     ax.legend(ncol=3, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35 if
               len(rows) > 1 else -0.6), frameon=False)
-    parts = [_svg(fig)]
+    parts = [svg(fig)]
     for label, d in rows:
         parts.append(f"<h3>{_e(label)}: {_e(_step_line(d))}</h3>")
         if not d.findings:
@@ -235,7 +112,7 @@ def _diagnosis_section(data: ReportData) -> str:
             evidence = "".join(f"<li><b>{_e(k)}</b>: {_e(v)}</li>" for k, v in f.evidence)
             fixes = "".join(f"<li><b>{_e(r.option)}</b>: <code>{_e(r.how)}</code></li>"
                             for r in f.remedies)
-            parts.append(f"<div class=\"finding\" style=\"border-color:{_COLOURS[f.cause]}\">"
+            parts.append(f"<div class=\"finding\" style=\"border-color:{COLOURS[f.cause]}\">"
                          f"<div class=\"ft\">{f.share:.1%} &nbsp; <b>{_e(f.cause)}</b>: "
                          f"{_e(f.title)}</div><ul>{evidence}</ul><div class=\"fix\">fixes:"
                          f"</div><ul>{fixes}</ul></div>")
@@ -252,14 +129,14 @@ def _ops_section(data: ReportData) -> str:
     parts = []
     for label, ops in rows:
         top = ops[:_TOP_OPS]
-        fig, ax = _figure(7.5, 0.6 + 0.28 * len(top))
+        fig, ax = figure(7.5, 0.6 + 0.28 * len(top))
         names = [f"{o.name.removeprefix('aten::')} ×{o.calls:g}" for o in top]
         values = [o.seconds * 1e3 for o in top]
-        ax.barh(names, values, color=[_COLOURS.get(o.bound, _COLOURS[""]) for o in top])
+        ax.barh(names, values, color=[COLOURS.get(o.bound, COLOURS[""]) for o in top])
         ax.invert_yaxis()
         ax.set_xlabel(f"{label}: ms per step (torch.profiler)")
         ax.tick_params(axis="y", labelsize=7)
-        parts.append(f"<h3>{_e(label)}</h3>" + _svg(fig) + _ops_table(top, ops))
+        parts.append(f"<h3>{_e(label)}</h3>" + svg(fig) + _ops_table(top, ops))
     legend = ("<p class=\"note\">Colour: what limits the op in the cost model's roofline: "
               "<b style=\"color:#55a868\">compute</b>, <b style=\"color:#4c72b0\">memory</b>, "
               "<b style=\"color:#f3a712\">launch/dispatch overhead</b>, grey: not in the "
@@ -281,26 +158,26 @@ def _utilization_section(data: ReportData) -> str:
                                                     ("after", data.after)) if d is not None]
     if not rows or not any(u.samples for _, u in rows):
         return ""
-    fig, ax = _figure(7.5, 2.4)
+    fig, ax = figure(7.5, 2.4)
     for label, u in rows:
         t = [s.t for s in u.samples]
         style = "-" if label == "before" else "--"
         style += "o" if len(t) < 20 else ""  # a short run's few samples stay visible
         ax.plot(t, [s.process_cpu_percent for s in u.samples], style,
-                color=_COLOURS["memory"], label=f"{label}: this process, % of all cores")
-        ax.plot(t, [s.cpu_percent for s in u.samples], style, color=_COLOURS["other"],
+                color=COLOURS["memory"], label=f"{label}: this process, % of all cores")
+        ax.plot(t, [s.cpu_percent for s in u.samples], style, color=COLOURS["other"],
                 label=f"{label}: whole machine CPU %")
         if u.has_gpu:
             ax.plot(t, [s.gpu_percent or 0 for s in u.samples], style,
-                    color=_COLOURS["useful compute"], label=f"{label}: GPU SM %")
+                    color=COLOURS["useful compute"], label=f"{label}: GPU SM %")
             ax.plot(t, [s.gpu_memory_bandwidth_percent or 0 for s in u.samples], style,
-                    color=_COLOURS["operators"], label=f"{label}: GPU memory bandwidth %")
+                    color=COLOURS["operators"], label=f"{label}: GPU memory bandwidth %")
     ax.set_ylim(0, 105)
     ax.set_xlabel("seconds into the timed steps")
     ax.set_ylabel("%")
     ax.legend(fontsize=7, frameon=False)
     notes = "".join(f"<p>{_e(label)}: {_e(u.summary())}</p>" for label, u in rows)
-    return _section("Utilization over time", _svg(fig) + notes)
+    return _section("Utilization over time", svg(fig) + notes)
 
 
 def _passes_section(data: ReportData) -> str:
@@ -321,12 +198,12 @@ def _passes_section(data: ReportData) -> str:
                 counts[r.name] = counts.get(r.name, 0) + sum(r.counts.values())
     chart = ""
     if counts:
-        fig, ax = _figure(6.5, 0.6 + 0.35 * len(counts))
-        bars = ax.barh(list(counts), list(counts.values()), color=_COLOURS["after"])
+        fig, ax = figure(6.5, 0.6 + 0.35 * len(counts))
+        bars = ax.barh(list(counts), list(counts.values()), color=COLOURS["after"])
         ax.bar_label(bars, padding=3, fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel("rewrites per pass (applied)")
-        chart = _svg(fig)
+        chart = svg(fig)
     table = ("<table><tr><th>pass</th><th>status</th><th>changes</th><th>ms</th>"
              f"<th>why</th></tr>{''.join(rows)}</table>")
     return _section("What each pass changed", chart + table)
@@ -410,11 +287,11 @@ def _mapping_chart(value: Mapping[Any, Any]) -> str:
 def _counts_chart(counts: Mapping[str, int]) -> str:
     if not counts or len(counts) > 20:
         return ""
-    fig, ax = _figure(6.0, 0.6 + 0.35 * len(counts))
-    bars = ax.barh(list(counts), list(counts.values()), color=_COLOURS["memory"])
+    fig, ax = figure(6.0, 0.6 + 0.35 * len(counts))
+    bars = ax.barh(list(counts), list(counts.values()), color=COLOURS["memory"])
     ax.bar_label(bars, padding=3, fontsize=8)
     ax.set_xlabel("entries per value")
-    return _svg(fig)
+    return svg(fig)
 
 
 def _items_charts(items: Sequence[Any], noun: str) -> str:
@@ -438,7 +315,7 @@ def _items_charts(items: Sequence[Any], noun: str) -> str:
         keys = sorted({k for r in rows for k in r})
         if not keys:
             continue
-        fig, ax = _figure(7.0, 0.8 + 0.35 * len(items))
+        fig, ax = figure(7.0, 0.8 + 0.35 * len(items))
         left = [0.0] * len(items)
         palette = ["#4c72b0", "#e4572e", "#55a868", "#f3a712", "#8172b2"]
         for j, key in enumerate(keys):
@@ -448,42 +325,15 @@ def _items_charts(items: Sequence[Any], noun: str) -> str:
         ax.invert_yaxis()
         ax.set_xlabel(f"{unit} per {noun}")
         ax.legend(fontsize=7, frameon=False)
-        charts.append(_svg(fig))
+        charts.append(svg(fig))
     return "".join(charts)
 
-
-# --- helpers -------------------------------------------------------------------------------
 
 def _step_line(d: Diagnosis) -> str:
     s = d.step
     return (f"{s.total_s * 1e3:.2f} ms/step (data {s.data_s * 1e3:.2f}, transfer "
             f"{s.transfer_s * 1e3:.2f}, compute {s.compute_s * 1e3:.2f} ms), batch "
             f"{d.batch_size or '?'}, {'training' if d.training else 'inference'}")
-
-
-def _figure(width: float, height: float) -> tuple[Any, Any]:
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), layout="constrained")
-    ax = fig.add_subplot()
-    ax.spines[["top", "right"]].set_visible(False)
-    return fig, ax
-
-
-def _svg(fig: Any) -> str:
-    """The figure as inline SVG: text kept as text, and without the XML prologue, DOCTYPE,
-    metadata and namespace declarations (HTML knows <svg>), so the file names no URL."""
-    import matplotlib
-    from matplotlib.backends.backend_svg import FigureCanvasSVG
-
-    buffer = io.StringIO()
-    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "autoopt"}):
-        FigureCanvasSVG(fig).print_svg(buffer, metadata={"Date": None})
-    text = buffer.getvalue()
-    text = text[text.index("<svg"):]
-    text = re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.S)
-    text = re.sub(r'\s+xmlns(:\w+)?="[^"]*"', "", text)
-    return f"<div class=\"chart\">{text}</div>"
 
 
 def _section(title: str, inner: str) -> str:
@@ -497,12 +347,6 @@ def _table(rows: Sequence[tuple[str, str]], header: tuple[str, str]) -> str:
 
 def _e(text: Any) -> str:
     return html.escape(str(text))
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    from torch.utils import _pytree as pytree
-
-    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 _CSS = """
