@@ -17,7 +17,8 @@ from .errors import (
     ModelError,
     ModelSpecError,
 )
-from .export.onnx import OnnxReport, OnnxSession, OnnxVerificationError, export_onnx, onnx_session
+from .export.onnx import OnnxReport, OnnxVerificationError, export_onnx
+from .export.session import OnnxSession, onnx_session
 from .parallel.pipeline import Pipeline  # optimize(..., devices=[...]) returns one
 from .report import CaptureRecord, PassRecord, Report
 from .runtime import prefetch as data  # autoopt.data.prefetch: asynchronous loading

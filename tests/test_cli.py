@@ -379,7 +379,7 @@ def test_run_prints_each_output_by_name(monkeypatch: pytest.MonkeyPatch,
         def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             return {"output": torch.zeros(feeds["x"].shape[0], 1000)}
 
-    monkeypatch.setattr("autoopt.export.onnx.onnx_session", lambda *args, **kwargs: Session())
+    monkeypatch.setattr("autoopt.export.session.onnx_session", lambda *args, **kwargs: Session())
     assert main(["run", "model.onnx", "--input", "8x3x4x4"]) == 0
     assert capsys.readouterr().out.splitlines() == ["providers: CPUExecutionProvider",
                                                     "output: float32[8, 1000]"]

@@ -21,6 +21,7 @@ from torch import nn
 
 import autoopt
 from autoopt.cli import main
+from autoopt.export.onnx_writer import first_line
 from autoopt.verify import compare, input_sets
 
 
@@ -124,7 +125,7 @@ def test_session_callable_by_position_name_and_io_binding(tmp_path: Path) -> Non
 
 def test_weights_over_the_protobuf_limit_go_to_external_data(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(autoopt.onnx, "_PROTOBUF_LIMIT", 0)  # stands for 2 GiB of weights
+    monkeypatch.setattr("autoopt.export.onnx._PROTOBUF_LIMIT", 0)  # stands for 2 GiB of weights
     path = tmp_path / "big.onnx"
     report = autoopt.export_onnx(Scorer().eval(), _scorer_inputs(), path, random_inputs=1)
     assert report.external_data and (tmp_path / "big.onnx.data").is_file()
@@ -327,7 +328,7 @@ def test_an_unregistered_dataclass_output_says_how_to_register_it(tmp_path: Path
 
 
 def test_exporter_messages_lose_colour_codes_and_are_cut_at_a_word() -> None:
-    text = autoopt.onnx._first_line(RuntimeError("\x1b[96mstep 1/3\x1b[0m " + "word " * 80))
+    text = first_line(RuntimeError("\x1b[96mstep 1/3\x1b[0m " + "word " * 80))
     assert text.startswith("step 1/3 word") and text.endswith("word ...")
     assert len(text) <= 304
 

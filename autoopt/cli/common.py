@@ -153,7 +153,7 @@ def named_dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
 def check_output(value: str | None, option: str) -> None:
     """Make the output's folder and check the file can be written, so that a bad path fails
     in a second, not after minutes of optimizing and measuring."""
-    from ..export.onnx import check_writable
+    from ..export.onnx_io import check_writable
 
     if not value:
         return

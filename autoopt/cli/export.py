@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..export.onnx import EXPORTERS
+from ..export.onnx_writer import EXPORTERS
 from .common import (
     add_dynamic_argument,
     add_model_arguments,
@@ -30,7 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..export.onnx import DYNAMIC_DIMS, export_onnx
+    from ..export.onnx import export_onnx
+    from ..export.onnx_io import DYNAMIC_DIMS
 
     check_output(args.output, "-o")
     model, inputs, kwargs = load_workload(args)

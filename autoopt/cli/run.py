@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from ..export.onnx import OnnxSession
+from ..export.session import OnnxSession
 from .common import add_common_arguments
 from .progress import output, stage
 
@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..export.onnx import onnx_session
+    from ..export.session import onnx_session
 
     stage(f"loading {args.model}")
     session = onnx_session(args.model, device=args.device, threads=args.threads)

@@ -28,7 +28,8 @@ from ..capture.graph import export_graph
 from ..errors import InputError
 from ..parallel.pipeline import device_specs, emit_stages, plan_stages
 from ..planning.partition import Partition
-from .onnx import OnnxReport, eval_mode, export_onnx, onnx_session
+from .onnx import OnnxReport, eval_mode, export_onnx
+from .session import onnx_session
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,150 @@
+"""Writing a graph module as an ONNX file, and reading back what the file holds.
+
+``write_onnx`` tries ``torch.onnx.export(dynamo=True)`` and then the TorchScript exporter, as
+``exporter=`` allows, keeping their console output at debug level and recording why the dynamo
+exporter was not used; ``weight_bytes`` tells whether the weights need a side file.
+``opset_of``, ``count_nodes`` and ``graph_shapes`` read the written proto for the report;
+``first_line`` turns an exporter's or ONNX Runtime's error into one line for a message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import re
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+from torch.utils import _pytree as pytree
+
+from ..errors import ModelError
+from .onnx_io import dims_of, flat_tensors
+
+log = logging.getLogger(__name__)
+
+
+EXPORTERS = ("auto", "dynamo", "torchscript")
+
+
+def write_onnx(gm: GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any], path: Path,
+               input_names: list[str], output_names: list[str], shapes: dict[str, Any] | None,
+               dims: tuple[str, ...], opset: int | None, external: bool, exporter: str,
+               ) -> tuple[str, str]:
+    """Write ``path``; return (the exporter that succeeded, why dynamo was not used)."""
+    reasons: list[str] = []
+    if exporter in ("auto", "dynamo"):
+        try:
+            with _quiet():
+                torch.onnx.export(gm, args, str(path), kwargs=kwargs, dynamo=True,
+                                  input_names=input_names, output_names=output_names,
+                                  opset_version=opset, dynamic_shapes=shapes,
+                                  external_data=external, verbose=False)
+            return "dynamo", ""
+        except Exception as exc:  # noqa: BLE001 - recorded; the TorchScript exporter may work
+            log.info("the dynamo ONNX exporter failed: %s", exc)
+            reasons.append(f"dynamo: {type(exc).__name__}: {first_line(exc)}")
+    if exporter in ("auto", "torchscript"):
+        flat = flat_tensors(args, kwargs, input_names)
+        axes = {name: dims_of(t, dims) for name, t in flat.items() if dims_of(t, dims)}
+        try:
+            with _quiet():
+                torch.onnx.export(_Positional(gm, args, kwargs), tuple(flat.values()),
+                                  str(path), dynamo=False,
+                                  input_names=input_names, output_names=output_names,
+                                  opset_version=opset, dynamic_axes=axes or None)
+            return "torchscript", reasons[0] if reasons else "exporter='torchscript'"
+        except Exception as exc:  # noqa: BLE001 - both reasons go into one error below
+            log.info("the TorchScript ONNX exporter failed: %s", exc)
+            reasons.append(f"torchscript: {type(exc).__name__}: {first_line(exc)}")
+    raise ModelError("no ONNX exporter could export the optimized graph (an op without an ONNX "
+                     "translation is the usual cause; the message names it): "
+                     + " | ".join(reasons))
+
+
+class _Positional(nn.Module):
+    """Calls the graph module with tensors given positionally, in ``input_names`` order.
+
+    The TorchScript exporter traces with flat positional tensors, while a ``torch.export``
+    graph module checks its call against the original (args, kwargs) structure. The graph
+    module is kept unregistered because the exporter calls ``train(False)``, which such a
+    module refuses.
+    """
+
+    def __init__(self, gm: GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        object.__setattr__(self, "_gm", gm)
+        # Registered here too, so that the tracer sees weights, not constants.
+        self.weights = nn.ParameterList(gm.parameters())
+        for i, buffer in enumerate(gm.buffers()):
+            self.register_buffer(f"buffer_{i}", buffer)
+        self._leaves, self._spec = pytree.tree_flatten((args, kwargs))
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        given = iter(tensors)
+        leaves = [next(given) if isinstance(x, torch.Tensor) else x for x in self._leaves]
+        args, kwargs = pytree.tree_unflatten(leaves, self._spec)
+        return self._gm(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The exporters print progress and warn about training mode (the unlifted graph module
+    reports training=True; the graph is an inference graph): keep that at debug level."""
+    captured = io.StringIO()
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(captured), \
+                contextlib.redirect_stderr(captured):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        if captured.getvalue():
+            log.debug("torch.onnx.export printed:\n%s", captured.getvalue())
+
+
+def weight_bytes(gm: GraphModule) -> int:
+    """Bytes of every parameter, buffer and tensor constant the graph holds, each once."""
+    tensors: dict[int, torch.Tensor] = {}
+    for module in gm.modules():
+        for value in (*module._parameters.values(), *module._buffers.values(),
+                      *vars(module).values()):
+            if isinstance(value, torch.Tensor):
+                tensors[id(value)] = value
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first non-empty line of ``exc``, without terminal colour codes, cut at a word."""
+    text = _ANSI.sub("", str(exc)).strip()
+    line = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if len(line) <= limit:
+        return line
+    return line[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def opset_of(proto: Any) -> int:
+    """The opset of the default ONNX domain (0 when the file imports none)."""
+    return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def count_nodes(proto: Any) -> dict[str, int]:
+    """Top-level nodes by op type; a non-default domain prefixes the type
+    (``com.microsoft.FusedConv``)."""
+    return dict(Counter(f"{n.domain}.{n.op_type}" if n.domain not in ("", "ai.onnx")
+                        else n.op_type for n in proto.graph.node))
+
+
+def graph_shapes(proto: Any) -> dict[str, list[int | str]]:
+    """``input name -> shape`` (a dynamic dimension by its name), weights left out."""
+    initializers = {i.name for i in proto.graph.initializer}
+    return {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+            for i in proto.graph.input if i.name not in initializers}
