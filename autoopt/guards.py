@@ -49,12 +49,12 @@ class InputSignature:
 
     tree: pytree.TreeSpec
     leaves: tuple[Any, ...]  # TensorSpec for tensors, the value itself otherwise
-    modes: tuple[bool, ...]
+    modes: tuple[Any, ...]
     flat_keys: tuple[str, ...] | None = None  # sorted kwargs names when no input is a container
     shapes: SymbolicShapes | None = None  # what a dynamic graph assumes of its free sizes
 
     def matches(self, args: tuple[Any, ...], kwargs: Mapping[str, Any],
-                modes: tuple[bool, ...]) -> bool:
+                modes: tuple[Any, ...]) -> bool:
         if modes != self.modes:
             return False
         if len(kwargs) > 1:
@@ -98,9 +98,10 @@ def _sorted(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def current_modes(module: nn.Module, submodules: list[nn.Module] | None = None,
-                  parameters: list[torch.Tensor] | None = None) -> tuple[bool, ...]:
-    """Grad mode, with gradients on whether any parameter requires them, and every
-    submodule's ``training`` flag. (A graph captured without grad runs as well under
+                  parameters: list[torch.Tensor] | None = None) -> tuple[Any, ...]:
+    """Grad mode, with gradients on whether any parameter requires them, autocast (a graph
+    traced without it computes in fp32, one traced under it has its casts baked in), and
+    every submodule's ``training`` flag. (A graph captured without grad runs as well under
     ``inference_mode``; one captured with grad keeps parameter gradients.)"""
     modules = module.modules() if submodules is None else submodules
     grad = torch.is_grad_enabled()
@@ -109,11 +110,16 @@ def current_modes(module: nn.Module, submodules: list[nn.Module] | None = None,
         wants_grad = any(p.requires_grad for p in params)
     else:
         wants_grad = False
-    return (grad, wants_grad, *(m.training for m in modules))
+    return (grad, wants_grad, _autocast(), *(m.training for m in modules))
+
+
+def _autocast() -> tuple[tuple[str, torch.dtype], ...]:
+    return tuple((device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+                 if torch.is_autocast_enabled(device))
 
 
 def needs_gradients(args: tuple[Any, ...], kwargs: Mapping[str, Any],
-                    modes: tuple[bool, ...]) -> bool:
+                    modes: tuple[Any, ...]) -> bool:
     """Whether a call in these modes can be differentiated: gradients on, and a parameter or
     an input requires them. Only then must a graph keep every op differentiable."""
     if not modes[0]:

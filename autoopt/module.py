@@ -21,7 +21,7 @@ from torch.fx import GraphModule
 from .concurrency import GATE
 from .config import OptimizeConfig
 from .cost_model import CostModel
-from .guards import InputSignature, current_modes, signature_of
+from .guards import InputSignature, current_modes, needs_gradients, signature_of
 from .report import Report
 from .runtime import cuda_graphs
 from .specialize import Capturer, Compiled, model_device
@@ -83,6 +83,7 @@ class OptimizedModule(nn.Module):
         # What the graphs assume of the module beyond its inputs: which tensors, their
         # values, the Python attributes traced into them.
         self._watch = ModuleWatch(module)
+        self._watch.shared = list(self._watch.tensors) if shares_weights else []
         # Captures (and the bookkeeping of the graph list) one thread at a time; replaying a
         # graph that exists takes no lock.
         self._lock = threading.RLock()
@@ -206,12 +207,13 @@ class OptimizedModule(nn.Module):
         if not self._shares_weights:
             return
         self._shares_weights = False
-        done: set[int] = set()
-        for m in self.module.modules():
-            for t in (*m._parameters.values(), *m._buffers.values()):
-                if t is not None and id(t) not in done:
-                    done.add(id(t))
-                    t.data = t.data.clone()
+        # The tensors made to share, not whatever the slots hold now: functional_call may
+        # have swapped others in for this call. Under inference_mode a clone would be an
+        # inference tensor, which no later call with gradients could save for backward.
+        with torch.inference_mode(False), torch.no_grad():
+            for t in self._watch.shared:
+                t.data = t.data.clone()
+        self._watch.shared = []
         self._watch.take_fingerprint()  # new memory, the same values
 
     def _before_load(self, *args: Any, **kwargs: Any) -> None:
@@ -273,6 +275,10 @@ class OptimizedModule(nn.Module):
             devices = [d.index for d in {t.device for t in self._watch.tensors}
                        if d.type == "cuda" and d.index is not None]
             before = self._watch.stamp()
+            # Nothing to differentiate: passes may fold weights into constants and lower them
+            # to kernels without a backward, so the graph is stale once a weight is written.
+            constants = not needs_gradients(args, kwargs, current_modes(
+                self.module, self._submodules, self._parameters_list))
             with GATE.capturing(), torch.random.fork_rng(devices=sorted(devices)):
                 spec = self._capturer.capture(*clone_inputs(args, kwargs))
             if spec.signature is None:
@@ -283,7 +289,7 @@ class OptimizedModule(nn.Module):
             for other in self._specializations:
                 if other.stamp == before:
                     other.stamp = after
-            if spec.run is not self.module and not torch.is_grad_enabled():
+            if spec.run is not self.module and constants:
                 spec.stamp = after
                 spec.writes_buffers = any(m.training for m in self._submodules)
             self._specializations.append(spec)

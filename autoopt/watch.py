@@ -18,6 +18,7 @@ A whole graph (export, symbolic_trace) bakes in more than the input signature:
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -26,16 +27,17 @@ from torch import nn
 
 from .cost_model.isolation import _MODULE_INTERNALS
 
-# How many parameters and buffers have been assigned to any module (``module.weight =
-# Parameter(...)``, ``register_buffer``, ``load_state_dict(assign=True)``) in this process.
+# Parameters and buffers assigned to a watched module (``module.weight = Parameter(...)``,
+# ``register_buffer``, ``load_state_dict(assign=True)``) are counted on its watch.
 # ``torch.func.functional_call`` swaps tensors into the slots without assigning, for one call:
 # a replaced slot with no assignment since the snapshot is such a temporary swap.
-_assignments = 0
+_owners: weakref.WeakKeyDictionary[nn.Module, ModuleWatch] = weakref.WeakKeyDictionary()
 
 
 def _count_assignment(module: nn.Module, name: str, value: Any) -> None:
-    global _assignments
-    _assignments += 1
+    watch = _owners.get(module)
+    if watch is not None:
+        watch.assignments += 1
 
 
 torch.nn.modules.module.register_module_parameter_registration_hook(_count_assignment)
@@ -58,6 +60,7 @@ class ModuleWatch:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+        self.shared: list[torch.Tensor] = []  # tensors on the user's memory (module.py)
         self.refresh_tensors()
         self.refresh_attributes()
 
@@ -73,11 +76,22 @@ class ModuleWatch:
                         slots.append((table, name, t))
                         tensors.setdefault(id(t), t)
         self._slots = slots
-        self._assignments = _assignments
+        self.assignments = 0
+        self._register()
         # Inference tensors have no version counter and cannot be written outside
         # inference mode; the rest can.
         self.tensors = [t for t in tensors.values() if not t.is_inference()]
         self._fingerprint: tuple[list[int], list[torch.Tensor]] | None = None
+
+    def _register(self) -> None:
+        for m in self.module.modules():
+            _owners[m] = self
+        self._registered = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (pickle, deepcopy) registers its own modules on first use: while it is being
+        # rebuilt its modules are not whole yet.
+        return {**self.__dict__, "_registered": False}
 
     def replaced(self) -> bool:
         """Whether any parameter or buffer slot now holds another tensor than at the snapshot
@@ -85,9 +99,11 @@ class ModuleWatch:
         return any(table.get(name) is not t for table, name, t in self._slots)
 
     def reassigned(self) -> bool:
-        """Whether a parameter or buffer was assigned anywhere since the snapshot: a replaced
-        slot is then the module's new state, not a swap for one call."""
-        return _assignments != self._assignments
+        """Whether a parameter or buffer was assigned to the module since the snapshot: a
+        replaced slot is then the module's new state, not a swap for one call."""
+        if not self._registered:
+            self._register()
+        return self.assignments > 0
 
     def stamp(self) -> int:
         """Grows with every in-place write to a tracked tensor: version counters only grow."""

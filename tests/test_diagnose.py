@@ -283,3 +283,10 @@ def test_apply_credits_no_option_optimize_did_not_apply(monkeypatch: pytest.Monk
     result = diagnosis.apply()
     assert "precision" not in result.applied, str(result)
     assert any(n.startswith("precision='bf16' not applied") for n in result.notes), result.notes
+
+
+def test_a_generator_shorter_than_the_steps_says_it_cannot_start_again() -> None:
+    model = _ManySmallOps().eval()
+    batches = (torch.randn(1, 16) for _ in range(3))
+    with pytest.raises(InputError, match="yielded 3 batch\\(es\\), then none on its next pass"):
+        autoopt.diagnose(model, batches, steps=5, roofline=False)

@@ -115,12 +115,14 @@ class Workload:
         if not self.is_loader:
             while True:
                 yield None
+        yielded = 0
         while True:
             empty = True
             it = iter(self.source)
             try:
                 for batch in it:
                     empty = False
+                    yielded += 1
                     if self.first_batch is None:
                         self.first_batch = batch
                     yield batch
@@ -128,6 +130,12 @@ class Workload:
                 close = getattr(it, "close", None)  # a prefetch pass: end its thread now
                 if callable(close):
                     close()
+            if empty and yielded:
+                raise InputError(
+                    f"diagnose's data yielded {yielded} batch(es), then none on its next pass: "
+                    f"a generator or iterator cannot start again. Pass a DataLoader or a list "
+                    f"(they can), or ask for fewer steps (warm-up and profiled steps count "
+                    f"too).")
             if empty:
                 raise InputError("diagnose's DataLoader yielded no batches")
 
