@@ -67,23 +67,10 @@ _SETTINGS = settings(settings.default, max_examples=max(2, settings.default.max_
 # end of this file; while a bug is listed here the machine steers around it (see where each key
 # is used). When its reproduction XPASSes, delete the entry and the steering goes with it.
 KNOWN_BUGS = {
-    "grad_mode_nothing_to_differentiate": "a call with gradients on where nothing requires "
-    "grad is captured as inference (packed weights) but not stamped, so a later in-place "
-    "write or load_state_dict leaves it stale",
-    "functional_call_then_load": "after torch.func.functional_call on a module that shares "
-    "the user's weights, load_state_dict writes into the user's model",
-    "unshare_under_inference_mode": "the first train-mode call under torch.inference_mode "
-    "gives the module inference-tensor weights; later calls with gradients raise",
     "edit_shared_weights": "an in-place edit of fast's parameters or buffers, before anything "
     "gave the module its own memory, writes the user's model",
     "element_data_edit": "a write through .data to elements the sampled fingerprint does not "
     "read is not seen: inference graphs keep the old packed/folded values",
-    "autocast_packed_linear": "a call under torch.autocast(cpu, bfloat16) raises 'Input type "
-    "(CPUBFloat16Type) and weight type (torch.FloatTensor) should be the same' on the "
-    "transformer block with packed_linear applied (eager runs)",
-    "functional_call_after_assign_load": "after load_state_dict(assign=True) and "
-    "functional_call with buffers, a no_grad call in train mode differs from eager "
-    "(not minimized; see the report)",
 }
 
 
