@@ -57,10 +57,10 @@ class OptimizeConfig:
     # Precision casting (passes/precision.py); see autoopt.precision for the checks.
     precision: str | None = None  # None/"fp32", "bf16", "fp16" or "int8" (CPU inference)
     tolerance: float | None = None  # end-to-end relative error allowed under ``precision``
-    # Pipeline (autoopt.pipelining): one stage per device, cut by measured time.
+    # Pipeline (autoopt.parallel): one stage per device, cut by measured time.
     devices: tuple[str, ...] | None = None  # e.g. ("cuda:0", "cuda:1"); None: no pipeline
     microbatches: int = 1  # each call is split into this many along the batch dimension
-    # The HTML report (autoopt.html_report): a path optimize writes it to, after measuring
+    # The HTML report (autoopt.diagnose.render): a path optimize writes it to, after measuring
     # and diagnosing the model before and after; None writes none.
     report: str | None = None
     cuda_graphs: bool = True

@@ -1,5 +1,8 @@
-"""Cut a graph into contiguous stages and run them, to check stage predictions against
-measurements (the pipeline partitioner builds on the same pieces)."""
+"""Contiguous groups of a graph's nodes: ``balanced_cut`` into groups of near-equal predicted
+time (``bench/cost_model_accuracy.py`` checks stage predictions against measured stages with
+it) and ``split_stages`` into one submodule per group (the recompute runtime wraps each
+segment of a memory plan this way). The pipeline partitioner's exact cut is
+``autoopt.planning.partition``."""
 
 from __future__ import annotations
 
