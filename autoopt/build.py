@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from . import precision as precision_lib
+from . import precision_target as precision_lib
 from .config import OptimizeConfig
 from .errors import ConfigError, DeviceError, InputError, ModelError
 from .module import OptimizedModule

@@ -54,7 +54,7 @@ class OptimizeConfig:
     pass_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     memory_budget: int | float | str | None = None
     memory_modes: tuple[str, ...] | None = None
-    # Precision casting (passes/precision.py); see autoopt.precision for the checks.
+    # Precision casting (passes/precision.py); autoopt.precision_target checks the device.
     precision: str | None = None  # None/"fp32", "bf16", "fp16" or "int8" (CPU inference)
     tolerance: float | None = None  # end-to-end relative error allowed under ``precision``
     # Pipeline (autoopt.parallel): one stage per device, cut by measured time.

@@ -262,7 +262,7 @@ def test_apply_drops_a_remedy_that_makes_the_step_slower(monkeypatch: pytest.Mon
 def test_apply_credits_no_option_optimize_did_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     """precision='bf16' named by the diagnosis but refused by optimize (bf16 measured slower
     here) is a note, not an applied remedy with the step's change credited to it."""
-    from autoopt import precision as precision_settings
+    from autoopt import precision_target as precision_settings
 
     speeds = {torch.float32: 2e11, torch.bfloat16: 1e11}
     monkeypatch.setattr(precision_settings, "matmul_flops", lambda device, dtype: speeds[dtype])

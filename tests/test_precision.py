@@ -16,7 +16,7 @@ from torch.fx import GraphModule
 
 import autoopt
 from autoopt import capture
-from autoopt import precision as precision_settings
+from autoopt import precision_target as precision_settings
 from autoopt.errors import ConfigError
 from autoopt.passes import PassContext
 from autoopt.passes.graph import attr

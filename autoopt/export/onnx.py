@@ -38,7 +38,7 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from .. import precision as precision_lib
+from .. import precision_target as precision_lib
 from ..driver import portable
 from ..errors import AutoOptError, ConfigError, ModelError, ModelSpecError, require
 from ..verify import Tolerance, VerifyResult, _leaves, check_all, input_sets

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .cost_model.precision import matmul_flops
+from .cost_model.dtype_speed import matmul_flops
 from .errors import ConfigError
 from .passes.precision import LOW_DTYPES
 
