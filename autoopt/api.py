@@ -19,7 +19,7 @@ from .config import OptimizeConfig
 from .diagnose.collect import collect
 from .diagnose.render import write_report
 from .module import OptimizedModule, Specialization
-from .parallel.pipeline import pipeline_module
+from .parallel.planning import pipeline_module
 
 __all__ = ["OptimizedModule", "Specialization", "check_inputs", "optimize"]
 

@@ -18,15 +18,9 @@ from torch.fx import GraphModule
 
 from .errors import ConfigError
 from .passes import PassContext
-from .planning.memory_plan import (
-    MODES,
-    OFFLOAD,
-    SELECTIVE,
-    BudgetTooSmall,
-    MemoryPlan,
-    plan_memory,
-    profile_activations,
-)
+from .planning.activations import profile_activations
+from .planning.memory_plan import BudgetTooSmall, MemoryPlan, plan_memory
+from .planning.segments import MODES, OFFLOAD, SELECTIVE
 from .runtime.offload import Offload, Offloader
 from .runtime.recompute import SELECTIVE_BACKWARD_TWICE, apply_plan
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cost_model_accuracy import publish  # noqa: E402
 
 import autoopt  # noqa: E402
-from autoopt.planning.memory_plan import MODES  # noqa: E402
+from autoopt.planning.segments import MODES  # noqa: E402
 from autoopt.runtime.offload import saved_bytes_counter  # noqa: E402
 
 transformers.logging.set_verbosity_error()

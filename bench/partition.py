@@ -42,7 +42,8 @@ from torch.fx import GraphModule
 
 from autoopt.capture.graph import annotate, export_graph, flat_example_inputs
 from autoopt.cost_model import CostCache, CostModel, GraphCost, NodeCost
-from autoopt.parallel.pipeline import emit_stages, refine_by_measurement
+from autoopt.parallel.planning import refine_by_measurement
+from autoopt.parallel.stages import emit_stages
 from autoopt.planning.partition import (
     COMPUTE_OPS,
     DeviceSpec,

@@ -24,7 +24,7 @@ from autoopt.capture.graph import export_graph
 from autoopt.cost_model import CostCache, CostModel
 from autoopt.memory import plan_for
 from autoopt.passes import PassContext
-from autoopt.planning.memory_plan import profile_activations
+from autoopt.planning.activations import profile_activations
 from autoopt.state import preserved
 
 

@@ -13,18 +13,16 @@ from torch import nn
 import autoopt
 from autoopt.capture.graph import export_graph
 from autoopt.memory import budget_bytes, parse_budget
-from autoopt.planning.memory_plan import (
+from autoopt.planning.activations import profile_activations
+from autoopt.planning.memory_plan import BudgetTooSmall, MemoryPlan, plan_memory
+from autoopt.planning.segments import (
     KEEP,
     MODES,
     OFFLOAD,
     RECOMPUTE,
-    BudgetTooSmall,
-    MemoryPlan,
     Segment,
     added_seconds,
     peak_bytes,
-    plan_memory,
-    profile_activations,
 )
 
 BANDWIDTH = 1e6  # bytes/s: offloading 1000 bytes costs 2 ms without overlap

@@ -16,15 +16,9 @@ from torch.utils import _pytree as pytree
 
 import autoopt
 from autoopt.capture.graph import export_graph, flat_example_inputs
-from autoopt.planning.memory_plan import (
-    KEEP,
-    MODES,
-    OFFLOAD,
-    RECOMPUTE,
-    SELECTIVE,
-    MemoryPlan,
-    profile_activations,
-)
+from autoopt.planning.activations import profile_activations
+from autoopt.planning.memory_plan import MemoryPlan
+from autoopt.planning.segments import KEEP, MODES, OFFLOAD, RECOMPUTE, SELECTIVE
 from autoopt.runtime.offload import Offload, Offloader
 from autoopt.runtime.recompute import apply_plan
 

@@ -30,7 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..capture.graph import export_graph
     from ..cost_model import CostModel
-    from ..parallel.pipeline import device_specs, measured_device_specs, plan_stages, plot_stages
+    from ..parallel.planning import device_specs, measured_device_specs, plan_stages
+    from ..parallel.plot import plot_stages
 
     check_output(args.plot, "--plot")
     devices = args.devices.split(",") if args.devices else ["cpu"] * args.stages

@@ -26,7 +26,8 @@ from torch.utils import _pytree as pytree
 
 from ..capture.graph import export_graph
 from ..errors import InputError
-from ..parallel.pipeline import device_specs, emit_stages, plan_stages
+from ..parallel.planning import device_specs, plan_stages
+from ..parallel.stages import emit_stages
 from ..planning.partition import Partition
 from .onnx import OnnxReport, eval_mode, export_onnx
 from .session import onnx_session

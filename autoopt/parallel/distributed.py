@@ -40,16 +40,9 @@ from ..capture.graph import export_graph
 from ..cost_model import CostModel
 from ..errors import ConfigError
 from ..planning.partition import Partition
-from .pipeline import (
-    check_mergeable_outputs,
-    device_specs,
-    emit_stages,
-    place_stage,
-    plan_stages,
-    shared_parameters,
-    split_microbatches,
-    traced_values,
-)
+from .microbatches import check_mergeable_outputs, split_microbatches
+from .planning import device_specs, plan_stages
+from .stages import emit_stages, place_stage, shared_parameters, traced_values
 
 log = logging.getLogger(__name__)
 

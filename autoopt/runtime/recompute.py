@@ -32,7 +32,8 @@ from autoopt.cost_model.isolation import written_placeholders
 from autoopt.cost_model.stages import split_stages
 
 from ..passes import ops
-from ..planning.memory_plan import KEEP, OFFLOAD, RECOMPUTE, SELECTIVE, MemoryPlan
+from ..planning.memory_plan import MemoryPlan
+from ..planning.segments import KEEP, OFFLOAD, RECOMPUTE, SELECTIVE
 
 OffloadWrap = Callable[[nn.Module, int], nn.Module]
 
