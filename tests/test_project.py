@@ -148,3 +148,13 @@ def test_only_the_defining_module_reads_optimized_modules_privates() -> None:
                         ("api", "module")) and any(a.name.startswith("_") for a in node.names):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} imports a private")
     assert not offenders, offenders
+
+
+def test_readme_layout_table_lists_every_folder() -> None:
+    text = (ROOT / "README.md").read_text().split("## Layout", 1)[1]
+    table = {line.split("|")[1].strip().strip("`") for line in text.splitlines()
+             if line.startswith("| `")}
+    folders = {f"{p.relative_to(ROOT)}/" for p in (ROOT / "autoopt").iterdir()
+               if (p / "__init__.py").exists()}
+    folders |= {"autoopt/", "passes/", "cost_model/", "tests/", "bench/", "docs/"}
+    assert folders <= table, sorted(folders - table)
