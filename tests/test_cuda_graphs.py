@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import autoopt
-from autoopt import cuda_graphs
+from autoopt.runtime import cuda_graphs
 
 
 def test_cpu_inputs_are_not_recorded_and_the_reason_is_given() -> None:
