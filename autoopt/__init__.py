@@ -34,4 +34,4 @@ __all__ = [
     "export_onnx", "onnx_session", "optimize",
 ]
 __all__ += ["Diagnosis", "data", "diagnose"]  # diagnosis and asynchronous loading
-__all__ += ["Pipeline"]  # pipeline stages across devices (autoopt.pipelining, .distributed)
+__all__ += ["Pipeline"]  # pipeline stages across devices (autoopt.parallel)

@@ -47,7 +47,7 @@ def optimize(model: nn.Module, example_inputs: Any = (), example_kwargs: Mapping
             with every parameter's gradient kept.
         **options: ``OptimizeConfig`` fields, e.g. ``verify=False``, ``disable=["dead_code"]``.
             With ``devices=[...]`` (and ``microbatches=``) the result is instead an
-            ``autoopt.pipelining.Pipeline``: one stage per device, run over microbatches.
+            ``autoopt.Pipeline``: one stage per device, run over microbatches.
 
     Example:
         >>> fast = autoopt.optimize(torchvision.models.resnet18().eval(), (x,))
@@ -58,7 +58,7 @@ def optimize(model: nn.Module, example_inputs: Any = (), example_kwargs: Mapping
                                                 device=device, dynamic=dynamic,
                                                 dynamic_shapes=dynamic_shapes,
                                                 training=training)
-    if cfg.devices is not None:  # a pipeline of one stage per device (autoopt.pipelining)
+    if cfg.devices is not None:  # a pipeline of one stage per device (autoopt.parallel)
         return pipeline_module(optimized, args, kwargs, training)  # type: ignore[return-value]
     capture_example(optimized, args, kwargs, training)
     if cfg.report is not None:  # report=: diagnose and time both modules, write the HTML

@@ -3,7 +3,7 @@
 The budget bounds the activations autograd saves for backward (parameters, gradients and
 optimizer state are not part of it). ``optimize`` calls ``apply_memory_budget`` on a training
 capture after the passes; the planner is ``autoopt.passes.memory_plan``, the rewrite
-``autoopt.passes.recompute`` and the offload runtime ``autoopt.offload``.
+``autoopt.runtime.recompute`` and the offload runtime ``autoopt.runtime.offload``.
 """
 
 from __future__ import annotations

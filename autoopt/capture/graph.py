@@ -8,7 +8,7 @@ Two whole-graph methods, tried in this order by ``autoopt.specialize``:
 - ``symbolic_trace``: ``torch.fx.symbolic_trace`` at module/functional level, non-tensor
   arguments fixed to their example values, metadata from one real run.
 
-Partial capture (Dynamo, the rest eager) lives in ``autoopt.backend``.
+Partial capture (Dynamo, the rest eager) lives in ``autoopt.capture.dynamo``.
 """
 
 from __future__ import annotations

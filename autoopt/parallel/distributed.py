@@ -9,7 +9,7 @@ process, and sends the plan to the others; each process then builds its own stag
 
 Example:
     >>> dist.init_process_group("gloo")
-    >>> pipe = autoopt.distributed.distributed_pipeline(model, (x,), microbatches=4)
+    >>> pipe = autoopt.parallel.distributed.distributed_pipeline(model, (x,), microbatches=4)
     >>> out = pipe.step(x)   # the model's output on the last rank, None elsewhere
 
 A weight that stages on several ranks read (an embedding tied to the LM head) is copied to each;
