@@ -6,7 +6,8 @@ A recomputed segment runs under ``torch.utils.checkpoint`` (non-reentrant, RNG s
 so dropout draws the same mask again); a selectively recomputed one too, keeping the results of
 its matmuls, convolutions and attention from forward (``create_selective_checkpoint_contexts``)
 so only its cheap ops run again. An offloaded segment runs inside saved-tensor hooks that
-the caller supplies (``autoopt.runtime.offload``); this module knows nothing of streams or host memory.
+the caller supplies (``autoopt.runtime.offload``); this module knows nothing of streams or
+host memory.
 """
 
 from __future__ import annotations
