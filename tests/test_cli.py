@@ -273,7 +273,7 @@ def test_progress_with_v_is_timed_lines_and_piped_is_silent(
     err = capsys.readouterr().err.splitlines()
     assert [line.split("] ", 1)[1] for line in err] == [
         "loading torch.nn:Identity", "optimizing: capture, passes, verification",
-        "pipeline: pass fold_batchnorm"]
+        "driver: pass fold_batchnorm"]
     assert all(line.startswith("[") and "s] " in line for line in err)
 
     assert main(["optimize", "torch.nn:Identity", "--input", "2x3"]) == 0
