@@ -99,17 +99,17 @@ def _sorted(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 def current_modes(module: nn.Module, submodules: list[nn.Module] | None = None,
                   parameters: list[torch.Tensor] | None = None) -> tuple[Any, ...]:
-    """Grad mode, with gradients on whether any parameter requires them, autocast (a graph
+    """Grad mode, with gradients on which parameters require them, autocast (a graph
     traced without it computes in fp32, one traced under it has its casts baked in), and
     every submodule's ``training`` flag. (A graph captured without grad runs as well under
     ``inference_mode``; one captured with grad keeps parameter gradients.)"""
     modules = module.modules() if submodules is None else submodules
     grad = torch.is_grad_enabled()
-    if grad:
+    if grad:  # which parameters a gradient reaches: a frozen one may be folded into the graph
         params = module.parameters() if parameters is None else parameters
-        wants_grad = any(p.requires_grad for p in params)
+        wants_grad = tuple(p.requires_grad for p in params)
     else:
-        wants_grad = False
+        wants_grad = ()
     return (grad, wants_grad, _autocast(), *(m.training for m in modules))
 
 
@@ -124,7 +124,7 @@ def needs_gradients(args: tuple[Any, ...], kwargs: Mapping[str, Any],
     an input requires them. Only then must a graph keep every op differentiable."""
     if not modes[0]:
         return False
-    return modes[1] or any(isinstance(x, torch.Tensor) and x.requires_grad
+    return any(modes[1]) or any(isinstance(x, torch.Tensor) and x.requires_grad
                            for x in pytree.tree_leaves((tuple(args), dict(kwargs))))
 
 

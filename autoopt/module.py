@@ -148,22 +148,23 @@ class OptimizedModule(nn.Module):
         if spec is None:
             with self._lock:  # another thread may have captured it meanwhile
                 spec = self._find(args, kwargs) or self.specialize(args, kwargs)
+        writes = spec.writes_buffers and spec.stamp is not None
+        current = [s for s in self._specializations if s.stamp is not None
+                   and s.stamp == self._watch.stamp(s.watched)] if writes else []
         with GATE.calling():  # no capture runs in another thread meanwhile
             out = spec.run(*args, **kwargs)
-        if spec.writes_buffers and spec.stamp is not None:
-            self._after_own_writes(spec)
+        if writes:
+            self._after_own_writes(current)
         return out
 
-    def _after_own_writes(self, spec: Compiled) -> None:
-        """A graph that updates BatchNorm statistics (train mode under ``no_grad``, as in
-        ``swa_utils.update_bn``): its own writes leave it current, so it is not captured anew
-        on every call."""
+    def _after_own_writes(self, current: list[Compiled]) -> None:
+        """A graph that updates BatchNorm statistics (train mode, as in
+        ``swa_utils.update_bn``): its own writes leave current what was current, so nothing
+        is captured anew on every call."""
         with self._lock:
-            stamp = self._watch.stamp()
-            for other in self._specializations:
-                if other.stamp == spec.stamp:
-                    other.stamp = stamp
-            self._watch.take_fingerprint()
+            for other in current:
+                other.stamp = self._watch.stamp(other.watched)
+            self._take_fingerprint()
 
     # --- weights written after capture ----------------------------------------------------
 
@@ -172,6 +173,12 @@ class OptimizedModule(nn.Module):
                 "attribute assignment): calls with them run eagerly")
         if note not in self.report.warnings:
             self.report.warnings.append(note)
+        # A train-mode run writes the statistics it may still share with the user's model.
+        # (Not inside a torch.func transform: a clone made there is the transform's tensor;
+        # torch.func needs BatchNorm without running statistics in train mode anyway.)
+        if (any(m.training for m in self._submodules)
+                and torch._C._functorch.peek_interpreter_stack() is None):
+            self._unshare()
         with GATE.calling():
             return self.module(*args, **kwargs)
 
@@ -182,11 +189,20 @@ class OptimizedModule(nn.Module):
             if note not in self.report.warnings:
                 self.report.warnings.append(note)
 
+    def _take_fingerprint(self) -> None:
+        """Fingerprint the tensors some graph holds copies of (not the trainable weights an
+        optimizer changes every step, which no graph copies)."""
+        seen: dict[int, torch.Tensor] = {}
+        for spec in self._specializations:
+            for t in spec.watched or ():
+                seen.setdefault(id(t), t)
+        self._watch.take_fingerprint(list(seen.values()))
+
     def _drop_stale_graphs(self) -> None:
-        stamp = self._watch.stamp()
-        rewritten = self._watch.fingerprint_changed()
-        stale = [s for s in self._specializations
-                 if s.stamp is not None and (s.stamp != stamp or rewritten)]
+        rewritten = self._watch.rewritten()
+        stale = [s for s in self._specializations if s.stamp is not None and (
+            s.stamp != self._watch.stamp(s.watched)
+            or any(id(t) in rewritten for t in s.watched or ()))]
         if stale:
             self._drop_graphs(lambda s: s in stale,
                               "parameters or buffers were written after an inference capture "
@@ -194,7 +210,7 @@ class OptimizedModule(nn.Module):
                               "whose folded or packed constants came from the old values are "
                               "captured again on their next call")
             with self._lock:
-                self._watch.take_fingerprint()
+                self._take_fingerprint()
 
     def _unshare(self) -> None:
         """Give the private module its own copy of the weights it shares with the user's
@@ -214,7 +230,7 @@ class OptimizedModule(nn.Module):
             for t in self._watch.shared:
                 t.data = t.data.clone()
         self._watch.shared = []
-        self._watch.take_fingerprint()  # new memory, the same values
+        self._take_fingerprint()  # new memory, the same values
 
     def _before_load(self, *args: Any, **kwargs: Any) -> None:
         self._unshare()
@@ -223,7 +239,7 @@ class OptimizedModule(nn.Module):
         if self._watch.replaced():  # assign=True: graphs holding the old tensors are stale
             self._retrack()
         else:
-            self._specializations = [s for s in self._specializations if s.stamp is None]
+            self._drop_stale_graphs()  # a load writes in place: stamps see it
 
     def _retrack(self) -> None:
         """Forget every graph; watch the tensors and attributes the module holds now."""
@@ -274,26 +290,28 @@ class OptimizedModule(nn.Module):
                 self._unshare()  # a training capture writes weights, a train-mode one stats
             devices = [d.index for d in {t.device for t in self._watch.tensors}
                        if d.type == "cuda" and d.index is not None]
-            before = self._watch.stamp()
-            # Nothing to differentiate: passes may fold weights into constants and lower them
-            # to kernels without a backward, so the graph is stale once a weight is written.
-            constants = not needs_gradients(args, kwargs, current_modes(
+            # Verification puts back the buffers it ran through (in place): autoopt's own
+            # writes leave every graph that was current, current.
+            current = [s for s in self._specializations if s.stamp is not None
+                       and s.stamp == self._watch.stamp(s.watched)]
+            # What passes may copy into constants: every weight where nothing is
+            # differentiated, else those no gradient reaches (buffers, frozen parameters).
+            differentiable = needs_gradients(args, kwargs, current_modes(
                 self.module, self._submodules, self._parameters_list))
+            watched = [t for t in self._watch.tensors
+                       if not (differentiable and t.requires_grad)]
             with GATE.capturing(), torch.random.fork_rng(devices=sorted(devices)):
                 spec = self._capturer.capture(*clone_inputs(args, kwargs))
             if spec.signature is None:
                 self._unshare()  # Dynamo's module or eager: serves any later call, training too
-            # Verification puts back the buffers it ran through (in place): autoopt's own
-            # writes leave every graph that was current, current.
-            after = self._watch.stamp()
-            for other in self._specializations:
-                if other.stamp == before:
-                    other.stamp = after
-            if spec.run is not self.module and constants:
-                spec.stamp = after
+            for other in current:
+                other.stamp = self._watch.stamp(other.watched)
+            if spec.run is not self.module and watched:
+                spec.watched = watched
+                spec.stamp = self._watch.stamp(watched)
                 spec.writes_buffers = any(m.training for m in self._submodules)
             self._specializations.append(spec)
-            self._watch.take_fingerprint()
+            self._take_fingerprint()
             return spec
 
     def _eager_beyond_limit(self, args: tuple[Any, ...], kwargs: dict[str, Any],

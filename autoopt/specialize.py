@@ -45,10 +45,13 @@ class Compiled:
     method: str
     run: Callable[..., Any]
     graph: GraphModule | None = None  # the optimized whole graph ``run`` executes, if one
-    # For an inference capture, the weights' stamp (``ModuleWatch.stamp``) its constants
-    # were computed at: folded BatchNorms, merged and packed weights are copies, so the graph
-    # is stale once a parameter or buffer is written. None: reads them live.
+    # The weights' stamp (``ModuleWatch.stamp`` over ``watched``) its constants were computed
+    # at: folded BatchNorms, merged and packed weights are copies, so the graph is stale once
+    # one of them is written. None: reads them all live.
     stamp: int | None = None
+    # The tensors a pass may have copied into the graph: all of them for an inference
+    # capture, those no gradient reaches (buffers, frozen parameters) for one with gradients.
+    watched: list[torch.Tensor] | None = None
     # Whether running it writes the module's buffers (train mode: BatchNorm statistics); its
     # own writes keep it current.
     writes_buffers: bool = False

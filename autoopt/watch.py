@@ -105,35 +105,52 @@ class ModuleWatch:
             self._register()
         return self.assignments > 0
 
-    def stamp(self) -> int:
-        """Grows with every in-place write to a tracked tensor: version counters only grow."""
-        return sum(t._version for t in self.tensors)
+    def stamp(self, tensors: list[torch.Tensor] | None = None) -> int:
+        """Grows with every in-place write to these tensors (default: all the module's):
+        version counters only grow."""
+        return sum(t._version for t in (self.tensors if tensors is None else tensors))
 
-    def take_fingerprint(self) -> None:
-        """Remember where each tensor's memory is and a few of its elements."""
-        views = self._sample_views()
-        self._fingerprint = (self._pointers(), views, self._read(views))
+    def take_fingerprint(self, tensors: list[torch.Tensor] | None = None) -> None:
+        """Remember where these tensors' memory is (default: all the module's) and a few of
+        their elements."""
+        tensors = self.tensors if tensors is None else tensors
+        views = self._sample_views(tensors)
+        self._fingerprint = (tensors, self._pointers(tensors), views, self._read(views))
 
-    def fingerprint_changed(self) -> bool:
-        """Whether memory was swapped (``p.data = other``) or written without a version bump
-        (``p.data.mul_(0.5)``) since ``take_fingerprint``. Sampled: a write that misses every
-        sampled element is seen only through the version counter."""
+    def rewritten(self) -> set[int]:
+        """The ids of the tensors whose memory was swapped (``p.data = other``) or written
+        without a version bump (``p.data.mul_(0.5)``) since ``take_fingerprint``. Sampled: a
+        write that misses every sampled element is seen only through the version counter."""
         if self._fingerprint is None:
-            return False
-        pointers, views, samples = self._fingerprint
-        if self._pointers() != pointers:
-            return True  # before reading the views, which still see the old memory
-        return any(not torch.equal(a, b) for a, b in zip(self._read(views), samples,
-                                                          strict=True))
+            return set()
+        tensors, pointers, views, samples = self._fingerprint
+        now = self._pointers(tensors)
+        if now != pointers:  # before reading the views, which still see the old memory
+            return {id(t) for t, a, b in zip(tensors, now, pointers, strict=True) if a != b}
+        changed: set[int] = set()
+        for (owners, group), current, saved in zip(views, self._read(views), samples,
+                                                   strict=True):
+            if torch.equal(current, saved):
+                continue
+            start = 0
+            for owner, view in zip(owners, group, strict=True):
+                end = start + view.numel()
+                if not torch.equal(current[start:end], saved[start:end]):
+                    changed.add(owner)
+                start = end
+        return changed
 
-    def _pointers(self) -> list[int]:
-        return [t.data_ptr() for t in self.tensors]
+    @staticmethod
+    def _pointers(tensors: list[torch.Tensor]) -> list[int]:
+        return [t.data_ptr() for t in tensors]
 
-    def _sample_views(self) -> list[list[torch.Tensor]]:
-        """Views of a few elements spread over each tensor's memory, grouped by dtype (made
-        once: a view per tensor per call would cost more than a small model's forward)."""
-        groups: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in self.tensors:
+    @staticmethod
+    def _sample_views(tensors: list[torch.Tensor]) -> list[tuple[list[int], list[torch.Tensor]]]:
+        """Views of a few elements spread over each tensor's memory, grouped by dtype with
+        the id of the tensor each came from (made once: a view per tensor per call would cost
+        more than a small model's forward)."""
+        groups: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
+        for t in tensors:
             if t.is_meta or t.numel() == 0 or t.layout != torch.strided:
                 continue
             span = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
@@ -142,15 +159,17 @@ class ModuleWatch:
                 continue
             step = max(1, span // count)
             view = torch.as_strided(t.detach(), (count,), (step,), t.storage_offset())
-            groups.setdefault(t.dtype, []).append(view)
+            owners, group = groups.setdefault(t.dtype, ([], []))
+            owners.append(id(t))
+            group.append(view)
         return list(groups.values())
 
     @staticmethod
-    def _read(views: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    def _read(views: list[tuple[list[int], list[torch.Tensor]]]) -> list[torch.Tensor]:
         """The sampled elements, one concatenation per dtype, read as integers so that NaN
         weights compare equal to themselves."""
         out = []
-        for group in views:
+        for _, group in views:
             flat = torch.cat(group)
             bits = _SAME_WIDTH_INT.get(flat.dtype)
             out.append(flat.view(bits) if bits is not None else flat)

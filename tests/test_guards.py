@@ -213,7 +213,8 @@ def test_a_forward_that_writes_its_input_writes_it_once_and_optimize_leaves_your
 def test_functional_call_uses_the_parameters_it_is_given() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
     x = torch.randn(3, 8)
-    fast = autoopt.optimize(model, (x,))
+    # Lowered kernels in the graph, whatever this CPU measures: the graph holds constants.
+    fast = autoopt.optimize(model, (x,), pass_options=ALWAYS_LOWER)
     params = {k: torch.randn_like(v) for k, v in fast.named_parameters()}
     with torch.no_grad():
         out = torch.func.functional_call(fast, params, (x,))
@@ -286,3 +287,49 @@ def test_concurrent_calls_with_new_shapes_give_eager_results() -> None:
         t.join()
     assert not errors
     assert torch.ones(2).sum().item() == 2.0  # no fake mode left behind in this thread
+
+
+def test_frozen_weights_folded_into_a_gradient_graph_are_watched() -> None:
+    """Fine-tuning a head on a frozen backbone: with gradients on, passes still fold the
+    frozen BatchNorm into its frozen convolution (no gradient reaches them), so a load that
+    writes those weights must drop the graph (found by the stateful fuzzer's long profile)."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(),
+                          nn.Linear(4 * 6 * 6, 3)).eval()
+    model[0].requires_grad_(False)
+    model[1].requires_grad_(False)
+    x = torch.randn(2, 3, 8, 8)
+    fast = autoopt.optimize(model, (x,), training=False)
+    fast(x).sum().backward()  # captured with gradients: the head trains
+    assert any(r.name == "fold_batchnorm" and r.status == "applied"
+               for c in fast.report.captures for r in c.passes)
+    new = {k: torch.randn_like(v) if v.is_floating_point() else v
+           for k, v in fast.module.state_dict().items()}
+    new["1.running_var"] = new["1.running_var"].abs()
+    fast.module.load_state_dict(new)
+    reference = copy.deepcopy(fast.module)
+    torch.testing.assert_close(fast(x), reference(x))
+    # Optimizer steps on the head do not drop the graph: nothing was copied from it.
+    captures = len(fast.report.captures)
+    optimizer = torch.optim.SGD([p for p in fast.parameters() if p.requires_grad], lr=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        fast(x).sum().backward()
+        optimizer.step()
+    assert len(fast.report.captures) == captures
+    torch.testing.assert_close(fast(x), fast.module(x))
+
+
+@torch.no_grad()
+def test_functional_call_in_train_mode_leaves_the_users_statistics() -> None:
+    """The eager run functional_call gets updates BatchNorm statistics in train mode; while
+    the module still shared the user's buffers, those were the user's (fuzzer's long
+    profile)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(4, 8)
+    fast = autoopt.optimize(model, (x,))
+    fast.module[1].train()
+    params = {k: torch.randn_like(v) for k, v in fast.named_parameters()}
+    torch.func.functional_call(fast, params, (x,))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
