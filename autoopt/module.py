@@ -127,17 +127,18 @@ class OptimizedModule(nn.Module):
         return self.specialization_for(args, kwargs).graph
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # Checked before anything is found or captured: a graph captured during a swap would
+        # hold copies of the swapped-in tensors.
+        if self._watch.replaced():
+            # Other tensors sit in the module's slots than the graphs hold.
+            if not self._watch.reassigned():
+                # Swapped in for this call (torch.func.functional_call, stateless
+                # reparametrization): eager reads them where they are.
+                return self._run_reparametrized(args, kwargs)
+            self._retrack()  # assigned for good (module.weight = Parameter(...))
         specs = self._specializations
         if specs and any(s.signature is not None for s in specs):
-            if self._watch.replaced():
-                # Other tensors sit in the module's slots than the graphs hold.
-                if not self._watch.reassigned():
-                    # Swapped in for this call (torch.func.functional_call, stateless
-                    # reparametrization): eager reads them where they are.
-                    return self._run_reparametrized(args, kwargs)
-                self._retrack()  # assigned for good (module.weight = Parameter(...))
-                specs = ()
-            elif self._watch.attributes_changed():
+            if self._watch.attributes_changed():
                 self._drop_graphs(lambda s: s.signature is not None,
                                   "a Python attribute of the model changed after capture (a "
                                   "graph replays the value it traced): its graphs are "
@@ -148,23 +149,8 @@ class OptimizedModule(nn.Module):
         if spec is None:
             with self._lock:  # another thread may have captured it meanwhile
                 spec = self._find(args, kwargs) or self.specialize(args, kwargs)
-        writes = spec.writes_buffers and spec.stamp is not None
-        current = [s for s in self._specializations if s.stamp is not None
-                   and s.stamp == self._watch.stamp(s.watched)] if writes else []
         with GATE.calling():  # no capture runs in another thread meanwhile
-            out = spec.run(*args, **kwargs)
-        if writes:
-            self._after_own_writes(current)
-        return out
-
-    def _after_own_writes(self, current: list[Compiled]) -> None:
-        """A graph that updates BatchNorm statistics (train mode, as in
-        ``swa_utils.update_bn``): its own writes leave current what was current, so nothing
-        is captured anew on every call."""
-        with self._lock:
-            for other in current:
-                other.stamp = self._watch.stamp(other.watched)
-            self._take_fingerprint()
+            return spec.run(*args, **kwargs)
 
     # --- weights written after capture ----------------------------------------------------
 
@@ -298,8 +284,14 @@ class OptimizedModule(nn.Module):
             # differentiated, else those no gradient reaches (buffers, frozen parameters).
             differentiable = needs_gradients(args, kwargs, current_modes(
                 self.module, self._submodules, self._parameters_list))
-            watched = [t for t in self._watch.tensors
-                       if not (differentiable and t.requires_grad)]
+            # A train-mode module's statistics are written by every call and folded by none
+            # (a train-mode BatchNorm normalizes with batch statistics): not watched, so a
+            # train-mode graph is not captured anew after each of its own calls, as in
+            # swa_utils.update_bn, while an eval-mode graph that folded them is.
+            written = {id(b) for m in self._submodules if m.training
+                       for b in m._buffers.values() if b is not None}
+            watched = [t for t in self._watch.tensors if id(t) not in written
+                       and not (differentiable and t.requires_grad)]
             with GATE.capturing(), torch.random.fork_rng(devices=sorted(devices)):
                 spec = self._capturer.capture(*clone_inputs(args, kwargs))
             if spec.signature is None:
@@ -309,7 +301,6 @@ class OptimizedModule(nn.Module):
             if spec.run is not self.module and watched:
                 spec.watched = watched
                 spec.stamp = self._watch.stamp(watched)
-                spec.writes_buffers = any(m.training for m in self._submodules)
             self._specializations.append(spec)
             self._take_fingerprint()
             return spec

@@ -52,9 +52,6 @@ class Compiled:
     # The tensors a pass may have copied into the graph: all of them for an inference
     # capture, those no gradient reaches (buffers, frozen parameters) for one with gradients.
     watched: list[torch.Tensor] | None = None
-    # Whether running it writes the module's buffers (train mode: BatchNorm statistics); its
-    # own writes keep it current.
-    writes_buffers: bool = False
 
 
 def model_device(model: nn.Module) -> torch.device | None:

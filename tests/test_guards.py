@@ -333,3 +333,33 @@ def test_functional_call_in_train_mode_leaves_the_users_statistics() -> None:
     torch.func.functional_call(fast, params, (x,))
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+@torch.no_grad()
+def test_a_functional_call_before_any_graph_captures_nothing_from_its_tensors() -> None:
+    """After ``.to()`` dropped every graph, the next call was a functional_call: it captured
+    a graph with the swapped-in weights folded in, which later plain calls replayed (the
+    stateful fuzzer's long profile)."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
+    x = torch.randn(1, 3, 6, 6)
+    fast = autoopt.optimize(model, (x,))
+    fast.to(torch.float64).to(torch.float32)  # drops every graph
+    params = {k: torch.randn_like(v) for k, v in fast.named_parameters()}
+    torch.func.functional_call(fast, params, (x,))
+    torch.testing.assert_close(fast(x), model(x))
+
+
+def test_statistics_a_train_mode_call_writes_reach_an_eval_graph() -> None:
+    """A train-mode call under inference_mode updates BatchNorm statistics without bumping
+    their version counters; the eval graph that folded them must still see the change."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
+    x = torch.randn(2, 3, 6, 6)
+    fast = autoopt.optimize(model, (x,))
+    reference = copy.deepcopy(model)
+    for caller, m in ((fast, fast.module), (reference, reference)):
+        m.train()
+        with torch.inference_mode():
+            caller(x + 1)  # through the optimized module: its train-mode graph writes them
+        m.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), reference(x))
