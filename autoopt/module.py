@@ -143,6 +143,7 @@ class OptimizedModule(nn.Module):
                                   "a Python attribute of the model changed after capture (a "
                                   "graph replays the value it traced): its graphs are "
                                   "captured again on their next call")
+                self._watch.refresh_attributes()  # the values the next capture traces
             if any(s.stamp is not None for s in specs):
                 self._drop_stale_graphs()
         spec = self._find(args, kwargs)
@@ -171,7 +172,6 @@ class OptimizedModule(nn.Module):
     def _drop_graphs(self, which: Callable[[Compiled], bool], note: str) -> None:
         with self._lock:
             self._specializations = [s for s in self._specializations if not which(s)]
-            self._watch.refresh_attributes()
             if note not in self.report.warnings:
                 self.report.warnings.append(note)
 
@@ -188,7 +188,7 @@ class OptimizedModule(nn.Module):
         rewritten = self._watch.rewritten()
         stale = [s for s in self._specializations if s.stamp is not None and (
             s.stamp != self._watch.stamp(s.watched)
-            or any(id(t) in rewritten for t in s.watched or ()))]
+            or (rewritten and any(id(t) in rewritten for t in s.watched or ())))]
         if stale:
             self._drop_graphs(lambda s: s in stale,
                               "parameters or buffers were written after an inference capture "

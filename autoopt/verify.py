@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 
 @dataclass(frozen=True)
@@ -283,8 +284,6 @@ def clone_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any],
             return x
         clone = x.detach().clone()
         return clone.requires_grad_() if x.requires_grad and clone.is_floating_point() else clone
-
-    from torch.utils import _pytree as pytree
 
     return pytree.tree_map(copy, (tuple(args), dict(kwargs)))
 
