@@ -125,3 +125,10 @@ def test_onnx_runtime_not_installed(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     with pytest.raises(autoopt.DependencyError, match="ONNX export"):
         autoopt.export_onnx(nn.Linear(2, 2), (torch.randn(1, 2),), tmp_path / "x.onnx")
     assert not (tmp_path / "x.onnx").exists()
+
+
+def test_build_refuses_the_features_layered_on_the_core() -> None:
+    from autoopt.build import build
+
+    with pytest.raises(ConfigError, match="pass devices= or report= to autoopt.optimize"):
+        build(linear(), torch.randn(2, 4), report="r.html")
