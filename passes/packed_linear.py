@@ -1,22 +1,49 @@
-"""Linear layers onto MKL's packed GEMM, with each weight packed once (CPU inference).
+"""Linear layers onto a packed GEMM, MKL's or oneDNN's, with each weight packed once (CPU
+inference).
 
-    x ─ linear(W, b) ─ y         ⟶   x ─ mkl_linear(W', b) ─ y
+    x ─ linear(W, b) ─ y         ⟶   x ─ mkl_linear(W', b) ─ y    or  onednn_linear(W', b)
     x ─ addmm(b, x, Wᵀ) ─ y      ⟶   x ─ mkl_linear(W', b) ─ y     (GPT-2's Conv1D)
     x ─ mm(x, Wᵀ) ─ y            ⟶   x ─ mkl_linear(W', None) ─ y
 
-``W'`` is ``W`` in MKL's packed GEMM layout (``cblas_sgemm_pack``) for this many rows of
-``x``. Eager ``aten.linear`` runs the same MKL GEMM but repacks panels of ``W`` on every call;
-with the packing done once, BERT's and ViT's linear shapes measured 5–10% faster at 1024 rows
-and 20–28% at 128 (1 thread) on a Sapphire Rapids, with outputs equal to ``aten.linear``'s
-within fp32 rounding (same kernel; bitwise equal there, one ulp apart on an AMD EPYC at 2
-threads, where MKL splits the reduction differently). The price is memory: the packed copy
-is about the weight's size, held next to the original (which the graph shares with the user's
-model); the pass reports it as ``packed_mib``. Where a cost model is present, each distinct
-shape keeps whichever kernel it measures faster on this machine.
+``W'`` is ``W`` packed once for this many rows of ``x``, in one of two layouts:
 
-fp32 only (MKL's sgemm), on a CPU build with MKL, not in training (the packed copy is a
-constant that gradients would not reach). It is a lowering: exports take the graph from before
-it (``autoopt.passes.LOWERING``).
+* ``mkl``: MKL's packed GEMM layout (``cblas_sgemm_pack``), run by ``mkl._mkl_linear``. Eager
+  ``aten.linear`` runs the same MKL GEMM but repacks panels of ``W`` on every call; with the
+  packing done once, BERT's and ViT's linear shapes measured 5–10% faster at 1024 rows and
+  20–28% at 128 (1 thread) on a Sapphire Rapids, bitwise equal to ``aten.linear`` there (one
+  ulp apart on an AMD EPYC at 2 threads, where MKL splits the reduction differently).
+* ``onednn``: oneDNN's blocked layout (``mkldnn._reorder_linear_weight``), run by
+  ``mkldnn._linear_pointwise``: the kernels TorchInductor's CPU freezing uses. Another GEMM,
+  so it differs from ``aten.linear`` within fp32 rounding (max error against fp64 about twice
+  ATen's on the shapes below, ~5e-6 at K = 3072).
+
+Measured on an AMD EPYC (AVX-512 with BF16, no AMX; ``python bench/linear_kernels.py``),
+GFLOP/s of ATen / MKL packed / oneDNN packed, median of interleaved rounds:
+
+    rows × in × out      1 thread         2 threads
+    128 × 768 × 768      109 / 109 / 248  219 / 216 / 501
+    128 × 768 × 3072     104 / 105 / 232  199 / 198 / 455
+    128 × 3072 × 768     106 / 106 / 234  209 / 207 / 468
+    1024 × 768 × 768     113 / 113 / 256  233 / 233 / 517
+    1024 × 768 × 3072    112 / 113 / 254  216 / 222 / 473
+    1024 × 3072 × 768    117 / 115 / 263  222 / 223 / 473
+
+There MKL's packed GEMM gains nothing over ATen (both run MKL's sgemm) and oneDNN runs
+2.1–2.3× faster; on the Sapphire Rapids MKL packed beat ATen (oneDNN was not measured there).
+Hence the choice is measured: where a cost model is present, each distinct
+shape keeps whichever of ATen (the node left as it is), MKL packed and oneDNN packed it
+measures fastest on this machine, among the kernels this build has. Without one, every
+eligible linear gets the ``kernel`` option's kernel (default ``mkl``, as before oneDNN was a
+candidate; nothing when the build lacks it).
+
+The price is memory: the packed copy is about the weight's size, held next to the original
+(which the graph shares with the user's model); the pass reports it as ``packed_mib``, and
+how many linears each kernel got as ``mkl`` and ``onednn`` (``linear`` counts both,
+``linear_kept_aten`` those measured fastest left on ATen).
+
+fp32 only, on a CPU build with MKL or oneDNN, not in training (the packed copy is a constant
+that gradients would not reach). It is a lowering: exports take the graph from before it
+(``autoopt.passes.LOWERING``).
 """
 
 from __future__ import annotations
@@ -40,27 +67,42 @@ log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 
-class PackedLinear:
-    """One linear's MKL call with its packed weight bound: the graph calls this object.
+# The packed kernels, in the order ties and the unmeasured default prefer them.
+KERNELS = ("mkl", "onednn")
 
-    ``weight`` is in ``F.linear``'s layout ``(out, in)``, possibly a transposed view of the
-    model's own tensor (no copy). Packed weights are opaque (no storage) and derived from the
-    model's weights, so a deep copy of the graph shares them. On meta or fake tensors (shape
-    propagation, FLOP counting) it computes the same thing with ``F.linear``.
+
+class PackedLinear:
+    """One linear's packed-GEMM call with its packed weight bound: the graph calls this object.
+
+    ``kernel`` is ``"mkl"`` (MKL's packed sgemm) or ``"onednn"`` (oneDNN's linear on a
+    weight reordered into its blocked layout). ``weight`` is in ``F.linear``'s layout
+    ``(out, in)``, possibly a transposed view of the model's own tensor (no copy). Packed weights
+    are opaque (no storage) and derived from the model's weights, so a deep copy of the graph
+    shares them. On meta or fake tensors (shape propagation, FLOP counting) it computes the same
+    thing with ``F.linear``.
     """
 
-    def __init__(self, weight: torch.Tensor, rows: int) -> None:
-        self.__name__ = "mkl_linear"  # what FX prints and names the call's global
+    def __init__(self, weight: torch.Tensor, rows: int, kernel: str = "mkl") -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"packed_linear: no kernel {kernel!r} (known: {KERNELS})")
+        self.kernel = kernel
+        self.__name__ = f"{kernel}_linear"  # what FX prints and names the call's global
         self.weight, self.rows = weight, rows
         self.packed = self._pack()
         self.threads = torch.get_num_threads()  # what the packing and the choice were made for
         # The cost model keys measurements by op name and argument shapes; the weight is bound
-        # here, not an argument, so the name carries its shape ("linear" names the family).
-        self.__qualname__ = f"linear[{'x'.join(map(str, weight.shape))},m{rows}]"
+        # here, not an argument, so the name carries the kernel and the weight's shape
+        # ("linear" before the bracket names the family).
+        self.__qualname__ = f"linear[{kernel},{'x'.join(map(str, weight.shape))},m{rows}]"
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.device.type == "meta" or isinstance(x, FakeTensor):
             return F.linear(x, x.new_empty(self.weight.shape), bias)
+        if self.kernel == "onednn":
+            # oneDNN's blocked layout does not depend on the thread count (measured: a weight
+            # reordered at 1 thread runs as fast at 2 as one reordered at 2), and the kernel
+            # takes any row count.
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         threads = torch.get_num_threads()
         if threads != self.threads:
             # MKL packs for the thread count of the moment: a weight packed at 1 thread runs on
@@ -71,7 +113,10 @@ class PackedLinear:
         return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, bias, self.rows)
 
     def _pack(self) -> torch.Tensor:
-        return torch.ops.mkl._mkl_reorder_linear_weight(self.weight.contiguous(), self.rows)
+        weight = self.weight.contiguous()
+        if self.kernel == "onednn":
+            return torch.ops.mkldnn._reorder_linear_weight(weight, self.rows)
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight, self.rows)
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The same function in ATen, on the unpacked weight."""
@@ -81,7 +126,7 @@ class PackedLinear:
         return self
 
     def __repr__(self) -> str:
-        return f"mkl_linear(weight={tuple(self.weight.shape)}, rows={self.rows})"
+        return f"{self.__name__}(weight={tuple(self.weight.shape)}, rows={self.rows})"
 
 
 @dataclass(frozen=True)
@@ -93,40 +138,65 @@ class _Linear:
     rows: int
 
 
+def kernels(device: torch.device) -> tuple[str, ...]:
+    """The packed kernels this PyTorch build has for ``device``, in ``KERNELS``' order."""
+    if device.type != "cpu":
+        return ()
+    found = {
+        "mkl": torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"),
+        "onednn": (torch.backends.mkldnn.is_available()
+                   and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                   and hasattr(torch.ops.mkldnn, "_linear_pointwise")),
+    }
+    return tuple(k for k in KERNELS if found[k])
+
+
 def available(device: torch.device) -> bool:
-    """MKL's packed linear exists in this PyTorch build and the target is the CPU."""
-    return (device.type == "cpu" and torch.backends.mkl.is_available()
-            and hasattr(torch.ops.mkl, "_mkl_linear"))
+    """Some packed linear (MKL's or oneDNN's) exists in this build and the target is the CPU."""
+    return bool(kernels(device))
 
 
 def packed_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
     """Rewrite fp32 linear layers with constant weights (``linear``, and ``addmm``/``mm`` on a
-    constant right-hand matrix) to MKL's GEMM on a weight packed once, where the cost model
-    measures it faster.
+    constant right-hand matrix) to a packed GEMM (MKL's or oneDNN's) on a weight packed once,
+    where the cost model measures one faster than ATen.
 
     Options (``pass_options={"packed_linear": {...}}``): ``measure`` (default True) lets the
-    cost model choose per shape; False rewrites every eligible linear.
+    cost model choose per shape among ATen and every packed kernel this build has; False (or no
+    cost model) rewrites every eligible linear to ``kernel`` (default ``"mkl"``; ``"onednn"``),
+    or none where the build lacks that kernel.
     """
-    if not available(ctx.device) or ctx.training:
+    candidates = kernels(ctx.device)
+    if not candidates or ctx.training:
         return PassResult(gm, False)
     measure = bool(ctx.options.get("measure", True)) and ctx.cost is not None
-    counts = {"linear": 0, "linear_kept_aten": 0, "packed_mib": 0}
+    default = str(ctx.options.get("kernel", KERNELS[0]))
+    if default not in KERNELS:
+        raise ValueError(f"packed_linear: no kernel {default!r} (known: {KERNELS})")
+    if not measure and default not in candidates:
+        log.debug("packed_linear: this build has no %s kernel", default)
+        return PassResult(gm, False)
+    counts = {"linear": 0, **dict.fromkeys(KERNELS, 0), "linear_kept_aten": 0, "packed_mib": 0}
     packed_bytes = 0
     graph = gm.graph
     for node in list(graph.nodes):
         linear = _eligible(gm, node)
         if linear is None:
             continue
-        kernel = PackedLinear(linear.weight, linear.rows)
-        if measure and not _pays(gm, ctx, linear, kernel):
-            counts["linear_kept_aten"] += 1
-            continue
+        if measure:
+            kernel = _choose(gm, ctx, linear, candidates)
+            if kernel is None:
+                counts["linear_kept_aten"] += 1
+                continue
+        else:
+            kernel = PackedLinear(linear.weight, linear.rows, default)
         with graph.inserting_before(node):
             fused = graph.call_function(kernel, (linear.input, linear.bias))
         fused.meta = dict(node.meta)
         node.replace_all_uses_with(fused)
         graph.erase_node(node)
         counts["linear"] += 1
+        counts[kernel.kernel] += 1
         packed_bytes += linear.weight.numel() * linear.weight.element_size()
     counts["packed_mib"] = round(packed_bytes / 2**20)
     counts = {k: v for k, v in counts.items() if v}
@@ -174,15 +244,19 @@ def _eligible(gm: GraphModule, node: Node) -> _Linear | None:
     return _Linear(node, x, weight.detach(), bias, rows)
 
 
-def _pays(gm: GraphModule, ctx: PassContext, linear: _Linear, kernel: PackedLinear) -> bool:
-    """Whether the cost model measures the packed GEMM at least as fast as ``aten.linear``, on
-    a random input of the real shape."""
+def _choose(gm: GraphModule, ctx: PassContext, linear: _Linear,
+            candidates: tuple[str, ...]) -> PackedLinear | None:
+    """The packed kernel the cost model measures fastest for this shape, or None where
+    ``aten.linear`` is: every packed kernel of ``candidates`` and ATen, on a random input of the
+    real shape (ties go to MKL, then oneDNN, then ATen)."""
     value = meta_val(linear.input)
     x = torch.randn(value.shape, dtype=value.dtype)
     bias = attr(gm, linear.bias) if linear.bias is not None else None
     what = (f"linear|{tuple(x.shape)}|{tuple(linear.weight.shape)}|{x.dtype}|"
             f"bias={bias is not None}")
-    best, seconds = ctx.cost.fastest(what, {"mkl_packed": lambda: kernel(x, bias),
-                                            "aten": lambda: kernel.reference(x, bias)})
-    log.debug("%s: %s", what, seconds)
-    return best == "mkl_packed"
+    packed = {f"{k}_packed": PackedLinear(linear.weight, linear.rows, k) for k in candidates}
+    runs: dict[str, Any] = {name: (lambda k=k: k(x, bias)) for name, k in packed.items()}
+    runs["aten"] = lambda: F.linear(x, linear.weight, bias)
+    best, seconds = ctx.cost.fastest(what, runs)
+    log.debug("%s: %s -> %s", what, seconds, best)
+    return packed.get(best)  # the others' packed copies are dropped here

@@ -1,9 +1,12 @@
-"""packed_linear: fp32 linears (linear, addmm, mm on a constant) onto MKL's packed GEMM."""
+"""packed_linear: fp32 linears (linear, addmm, mm on a constant) onto MKL's or oneDNN's packed
+GEMM."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,10 +19,15 @@ from autoopt.capture.graph import export_graph
 from autoopt.cost_model import CostCache, CostModel
 from autoopt.driver import portable
 from autoopt.passes import PassContext, packed_linear
-from autoopt.passes.packed_linear import PackedLinear, available
+from autoopt.passes.packed_linear import KERNELS, PackedLinear, available, kernels
 
-pytestmark = pytest.mark.skipif(not available(torch.device("cpu")),
-                                reason="this PyTorch build has no MKL packed linear")
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(not available(CPU),
+                                reason="this PyTorch build has no packed linear kernel")
+requires_mkl = pytest.mark.skipif("mkl" not in kernels(CPU),
+                                  reason="this PyTorch build has no MKL packed linear")
+requires_onednn = pytest.mark.skipif("onednn" not in kernels(CPU),
+                                     reason="this PyTorch build has no oneDNN linear")
 aten = torch.ops.aten
 
 
@@ -75,6 +83,7 @@ def _assert_same_gemm(gm: GraphModule, model: nn.Module, shape: tuple[int, ...])
             torch.testing.assert_close(gm(x), model(x))  # fp32: rtol 1.3e-6, atol 1e-5
 
 
+@requires_mkl
 def test_before_becomes_two_packed_calls() -> None:
     model = Before().eval()
     gm, counts = _rewrite(model, torch.randn(2, 5, 16))
@@ -86,6 +95,7 @@ def test_before_becomes_two_packed_calls() -> None:
     _assert_same_gemm(gm, model, (2, 5, 16))
 
 
+@requires_mkl
 def test_addmm_and_mm_on_a_constant_right_hand_side() -> None:
     model = Conv1D().eval()
     gm, counts = _rewrite(model, torch.randn(3, 4, 16))
@@ -98,6 +108,7 @@ def test_addmm_and_mm_on_a_constant_right_hand_side() -> None:
     _assert_same_gemm(gm, model, (3, 4, 16))
 
 
+@requires_mkl
 def test_another_row_count_falls_back_to_the_unpacked_weight() -> None:
     """The packing is for the example's row count; MKL runs aten's GEMM at any other."""
     model = Before().eval()
@@ -126,6 +137,7 @@ class Unsafe(nn.Module):
         return dynamic_weight.sum() + scaled.sum() + two_activations.sum() + f64.sum()
 
 
+@requires_mkl
 def test_does_not_fire_where_the_kernel_would_compute_something_else() -> None:
     model = Unsafe().eval()
     gm, counts = _rewrite(model, torch.randn(8, 8))
@@ -133,6 +145,7 @@ def test_does_not_fire_where_the_kernel_would_compute_something_else() -> None:
     assert _packed_calls(gm) == []
 
 
+@requires_mkl
 def test_does_not_fire_when_training_for_a_cuda_target_or_on_symbolic_shapes() -> None:
     x = torch.randn(2, 5, 16)
     assert _rewrite(Before(), x, training=True)[1] == {}
@@ -146,21 +159,30 @@ def test_the_cost_model_chooses_and_remembers(tmp_path: Path) -> None:
     cost = CostModel("cpu", cache=CostCache(tmp_path / "costs.json"))
     gm, counts = _rewrite(Before(), torch.randn(2, 5, 16), cost=cost)
     choices = {k: v for k, v in cost.cache.items() if k.startswith("fastest|linear|")}
-    assert len(choices) == 2  # two distinct shapes, each measured both ways
-    assert all(set(v) == {"mkl_packed", "aten"} for v in choices.values())
+    assert len(choices) == 2  # two distinct shapes, each measured every way this build has
+    every = {f"{k}_packed" for k in kernels(CPU)} | {"aten"}
+    assert all(set(v) == every for v in choices.values())
     assert counts.get("linear", 0) + counts.get("linear_kept_aten", 0) == 2
+    assert counts.get("mkl", 0) + counts.get("onednn", 0) == counts.get("linear", 0)
     again = CostModel("cpu", cache=CostCache(tmp_path / "costs.json"))
     assert _rewrite(Before(), torch.randn(2, 5, 16), cost=again)[1] == counts
 
 
+@requires_mkl
 def test_each_packed_linear_is_a_matmul_with_its_own_cost_key() -> None:
     from autoopt.cost_model.estimate import op_family, op_name
 
     gm, _ = _rewrite(Before(), torch.randn(2, 5, 16))
     names = {op_name(k) for k in _packed_calls(gm)}
     assert len(names) == 2 and {op_family(n) for n in names} == {"matmul"}
+    if "onednn" in kernels(CPU):  # the same shapes on the other kernel: keyed apart
+        gm, _ = _rewrite(Before(), torch.randn(2, 5, 16), options={"kernel": "onednn"})
+        onednn = {op_name(k) for k in _packed_calls(gm)}
+        assert len(onednn) == 2 and not onednn & names
+        assert {op_family(n) for n in onednn} == {"matmul"}
 
 
+@requires_mkl
 def test_optimize_on_bert_uses_it_and_exports_take_the_portable_graph(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2,
@@ -186,6 +208,7 @@ def test_optimize_on_bert_uses_it_and_exports_take_the_portable_graph(tmp_path: 
     assert autoopt.export_onnx(fast, (ids,), tmp_path / "bert.onnx").ok
 
 
+@requires_mkl
 def test_repacks_when_the_thread_count_changes() -> None:
     """MKL packs a weight for the thread count of the moment (packed at 1 thread, the GEMM ran
     on 1 thread at 2), so a call at a new count packs it again, and still computes the same."""
@@ -203,3 +226,142 @@ def test_repacks_when_the_thread_count_changes() -> None:
         assert all(k.packed is not old for k, old in zip(kernels, first, strict=True))
     finally:
         torch.set_num_threads(threads)
+
+
+# --- oneDNN's packed linear, and the measured choice among all kernels ----------------------
+
+
+@requires_onednn
+def test_onednn_kernel_on_an_mlp_matches_aten() -> None:
+    """oneDNN's GEMM is not aten's (MKL's): equal within fp32 rounding, not bitwise."""
+    model = Before().eval()
+    gm, counts = _rewrite(model, torch.randn(2, 5, 16), options={"kernel": "onednn"})
+    assert counts == {"linear": 2, "onednn": 2}  # packed_mib rounds to 0 at this size
+    up, down = _packed_calls(gm)
+    assert (up.kernel, down.kernel) == ("onednn", "onednn")
+    assert up.__name__ == "onednn_linear" and "onednn" in up.__qualname__
+    assert up.packed.is_mkldnn and (tuple(up.weight.shape), up.rows) == ((48, 16), 10)
+    _assert_same_gemm(gm, model, (2, 5, 16))
+    with torch.no_grad():  # another row count: the same packed weight serves it
+        x = torch.randn(7, 16)
+        torch.testing.assert_close(up(x, model.up.bias), model.up(x))
+    # Shape propagation runs F.linear on meta tensors; a deep copy shares the packed weights.
+    assert up(torch.empty(3, 16, device="meta"), None).shape == (3, 48)
+    assert _packed_calls(copy.deepcopy(gm))[0] is up
+    with torch.no_grad():
+        x = torch.randn(2, 5, 16)
+        torch.testing.assert_close(copy.deepcopy(gm)(x), model(x))
+
+
+@requires_onednn
+def test_onednn_kernel_on_gpt2_addmm_and_mm_matches_aten() -> None:
+    model = Conv1D().eval()
+    gm, counts = _rewrite(model, torch.randn(3, 4, 16), options={"kernel": "onednn"})
+    assert counts == {"linear": 2, "onednn": 2}
+    assert not {aten.addmm.default, aten.mm.default} & set(_targets(gm))
+    first = _packed_calls(gm)[0]
+    # Bound as a transposed view of the model's own (in, out) tensor; reordered from a copy.
+    assert first.weight.shape == (24, 16)
+    assert first.weight.untyped_storage().data_ptr() == model.weight.untyped_storage().data_ptr()
+    _assert_same_gemm(gm, model, (3, 4, 16))
+
+
+@requires_onednn
+def test_onednn_kernel_is_not_repacked_when_the_thread_count_changes() -> None:
+    model = Before().eval()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        gm, _ = _rewrite(model, torch.randn(2, 5, 16), options={"kernel": "onednn"})
+        first = [k.packed for k in _packed_calls(gm)]
+        torch.set_num_threads(2)
+        _assert_same_gemm(gm, model, (2, 5, 16))
+        assert all(k.packed is old for k, old in zip(_packed_calls(gm), first, strict=True))
+    finally:
+        torch.set_num_threads(threads)
+
+
+class Chooses:
+    """A cost model whose ``fastest`` picks ``choice`` (when offered): it records what it was
+    offered for each shape, and runs every candidate to check they compute the same."""
+
+    def __init__(self, choice: str) -> None:
+        self.choice = choice
+        self.offered: list[set[str]] = []
+
+    def fastest(self, what: str, candidates: dict[str, Callable[[], Any]], repeats: int = 3,
+                state: object = ()) -> tuple[str, dict[str, float]]:
+        self.offered.append(set(candidates))
+        with torch.no_grad():
+            outputs = {name: run() for name, run in candidates.items()}
+        for name, out in outputs.items():
+            torch.testing.assert_close(out, outputs["aten"], msg=name)
+        best = self.choice if self.choice in candidates else "aten"
+        return best, {name: 1.0 if name == best else 2.0 for name in candidates}
+
+
+def _kernels_called(gm: GraphModule) -> list[str]:
+    return [k.kernel for k in _packed_calls(gm)]
+
+
+@pytest.mark.parametrize("model_cls, shape", [(Before, (2, 5, 16)), (Conv1D, (3, 4, 16))])
+@pytest.mark.parametrize("choice", ["mkl_packed", "onednn_packed", "aten"])
+def test_the_measured_choice_offers_every_kernel_and_the_graph_calls_the_chosen(
+        choice: str, model_cls: type[nn.Module], shape: tuple[int, ...]) -> None:
+    if choice != "aten" and choice.removesuffix("_packed") not in kernels(CPU):
+        pytest.skip(f"this PyTorch build has no {choice}")
+    model = model_cls().eval()
+    cost = Chooses(choice)
+    gm, counts = _rewrite(model, torch.randn(shape), cost=cost)
+    every = {f"{k}_packed" for k in kernels(CPU)} | {"aten"}
+    assert cost.offered == [every, every]  # each linear: aten and every packed kernel here
+    if choice == "aten":
+        assert counts == {"linear_kept_aten": 2} and _packed_calls(gm) == []
+    else:
+        kernel = choice.removesuffix("_packed")
+        assert counts == {"linear": 2, kernel: 2}
+        assert _kernels_called(gm) == [kernel, kernel]
+    _assert_same_gemm(gm, model, shape)
+
+
+def test_without_onednn_the_choice_and_the_default_fall_back_cleanly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert "onednn" not in kernels(CPU)
+    model = Before().eval()
+    # Asked for oneDNN without measuring: nothing to rewrite it to, and no crash.
+    gm, counts = _rewrite(model, torch.randn(2, 5, 16), options={"kernel": "onednn"})
+    assert counts == {} and _packed_calls(gm) == []
+    if "mkl" not in kernels(CPU):
+        assert not available(CPU)
+        return
+    cost = Chooses("onednn_packed")  # prefers what is not offered: falls back to aten
+    gm, counts = _rewrite(model, torch.randn(2, 5, 16), cost=cost)
+    assert cost.offered == [{"mkl_packed", "aten"}] * 2
+    assert counts == {"linear_kept_aten": 2}
+    cost = Chooses("mkl_packed")
+    gm, counts = _rewrite(model, torch.randn(2, 5, 16), cost=cost)
+    assert counts == {"linear": 2, "mkl": 2} and _kernels_called(gm) == ["mkl", "mkl"]
+    _assert_same_gemm(gm, model, (2, 5, 16))
+
+
+@requires_onednn
+def test_without_mkl_the_choice_is_onednn_or_aten_and_the_default_rewrites_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
+    assert kernels(CPU) == ("onednn",) and available(CPU)
+    model = Conv1D().eval()
+    assert _rewrite(model, torch.randn(3, 4, 16))[1] == {}  # the default kernel is MKL's
+    cost = Chooses("onednn_packed")
+    gm, counts = _rewrite(model, torch.randn(3, 4, 16), cost=cost)
+    assert cost.offered == [{"onednn_packed", "aten"}] * 2
+    assert counts == {"linear": 2, "onednn": 2}
+    _assert_same_gemm(gm, model, (3, 4, 16))
+
+
+def test_an_unknown_kernel_is_refused() -> None:
+    assert KERNELS == ("mkl", "onednn")
+    with pytest.raises(ValueError, match="no kernel 'cublas'"):
+        _rewrite(Before(), torch.randn(2, 5, 16), options={"kernel": "cublas"})
+    with pytest.raises(ValueError, match="no kernel"):
+        PackedLinear(torch.randn(4, 4), 2, "cublas")
