@@ -273,7 +273,9 @@ class CostModel:
                                   repeats=repeats, budget_s=10.0)
 
     def fastest(self, what: str, candidates: dict[str, Any], repeats: int = 3,
-                state: Sequence[Any] = ()) -> tuple[str, dict[str, float]]:
+                state: Sequence[Any] = (), *, grad: bool = False,
+                budget_s: float | None = None, cache_as: Iterable[str] | None = None,
+                ) -> tuple[str, dict[str, float]]:
         """Which of several equivalent kernels runs fastest here, and each one's seconds.
 
         ``candidates`` maps a kernel's name to a no-argument callable that runs it on real
@@ -282,25 +284,45 @@ class CostModel:
         Candidates are timed in interleaved rounds (a drifting machine then slows all alike)
         with caches evicted before each run; ties go to the first candidate. The runs leave
         the RNG, and ``state`` (modules, tensors the candidates may write), as they were.
+        ``grad`` runs them with gradients enabled (a candidate that times a backward);
+        ``budget_s`` stops after the round that spends it (at least three rounds).
+        ``cache_as`` names the choice in the cache (default: the candidates): the candidates
+        asked for, of which some could not be built, so that ``recorded`` finds it.
         """
-        key = f"fastest|{what}|{sorted(candidates)}|{self._context()}"
-        stored = self.cache.get(key)
+        names = list(cache_as) if cache_as is not None else list(candidates)
+        stored = self.recorded(what, names)
         if stored is not None and set(stored) == set(candidates):
-            seconds = {name: float(s) for name, s in stored.items()}
+            seconds = stored
         else:
             samples: dict[str, list[float]] = {name: [] for name in candidates}
-            with torch.no_grad(), preserved(*state):
+            mode = torch.enable_grad() if grad else torch.no_grad()
+            with mode, preserved(*state):
                 for fn in candidates.values():  # warm-up: first calls allocate and pack
                     fn()
-                for _ in range(repeats):
+                spent = 0.0
+                for round_ in range(repeats):
                     for name, fn in candidates.items():
                         samples[name].append(median_seconds(
                             lambda i, fn=fn: fn(), self.device, warmup=0, repeats=1,
                             before=self.evict_cache))
+                    spent += sum(s[-1] for s in samples.values())
+                    if budget_s is not None and spent > budget_s and round_ >= 2:
+                        break
             seconds = {name: statistics.median(s) for name, s in samples.items()}
-            self.cache.put(key, seconds)
+            self.cache.put(self._fastest_key(what, names), seconds)
         best = min(candidates, key=lambda name: (seconds[name], list(candidates).index(name)))
         return best, seconds
+
+    def recorded(self, what: str, names: Iterable[str]) -> dict[str, float] | None:
+        """The seconds ``fastest`` measured here for a choice among ``names`` (those of them
+        that could be measured), if it did: a caller can then build the winner alone."""
+        stored = self.cache.get(self._fastest_key(what, names))
+        if not stored or not set(stored) <= set(names):
+            return None
+        return {name: float(s) for name, s in stored.items()}
+
+    def _fastest_key(self, what: str, names: Iterable[str]) -> str:
+        return f"fastest|{what}|{sorted(names)}|{self._context()}"
 
     # --- whole graphs and stages -----------------------------------------------------------
 
