@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .backends import BACKENDS, BACKENDS_VARIABLE
 from .errors import ConfigError
 from .memory import parse_budget, parse_modes
 from .passes import PIPELINE, PassFn
@@ -41,6 +43,12 @@ class OptimizeConfig:
             ``selective``, ``recompute``); default: all on a GPU, all but offload on a CPU.
         cuda_graphs: on a CUDA device, replay each static-shape inference graph as one CUDA
             graph (one launch per call instead of one per kernel); checked against eager too.
+        backend: the one backend to execute every optimized graph (``aten``, ``inductor`` or
+            ``onnxruntime``); where it cannot (not installed, fails, differs from eager),
+            optimize raises. None: the fastest of ``backends``, measured.
+        backends: the backends to measure and choose from per graph; one that cannot lower
+            a graph is skipped with its reason in the report. None: all of ``BACKENDS``, or
+            those the ``AUTOOPT_BACKENDS`` environment variable lists (comma-separated).
     """
 
     disable: tuple[str, ...] = ()
@@ -64,6 +72,8 @@ class OptimizeConfig:
     # and diagnosing the model before and after; None writes none.
     report: str | None = None
     cuda_graphs: bool = True
+    backend: str | None = None
+    backends: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "disable", tuple(self.disable))
@@ -103,6 +113,7 @@ class OptimizeConfig:
                                   f"report='report.html'; got {self.report!r}")
             object.__setattr__(self, "report", str(self.report))
         _check_precision(self.precision, self.tolerance)
+        _check_backends(self)
 
     @property
     def passes(self) -> tuple[tuple[str, PassFn], ...]:
@@ -131,6 +142,16 @@ class OptimizeConfig:
             options.setdefault("precision", {}).update(precision=self.precision,
                                                        tolerance=self.precision_tolerance)
         return options
+
+    @property
+    def candidate_backends(self) -> tuple[str, ...]:
+        """The backends to choose from, in order of preference on a tie."""
+        if self.backend is not None:
+            return (self.backend,)
+        if self.backends is not None:
+            return self.backends
+        return _parse_backends(os.environ.get(BACKENDS_VARIABLE, ""), BACKENDS_VARIABLE) \
+            or BACKENDS
 
     @property
     def verification_tolerances(self) -> dict[torch.dtype, Tolerance]:
@@ -179,6 +200,32 @@ def _check_precision(precision: Any, tolerance: Any) -> None:
         if precision in (None, "fp32"):
             raise ConfigError(f"tolerance={tolerance!r} is the error allowed under reduced "
                               f"precision; pass precision='bf16', 'fp16' or 'int8' with it")
+
+
+def _check_backends(config: OptimizeConfig) -> None:
+    if config.backend is not None and config.backends is not None:
+        raise ConfigError(f"pass backend= (one backend, required) or backends= (candidates to "
+                          f"measure), not both; got backend={config.backend!r}, "
+                          f"backends={config.backends!r}")
+    if config.backend is not None:
+        if config.backend not in BACKENDS:
+            raise ConfigError(f"backend={config.backend!r} is not a backend; use one of "
+                              f"{BACKENDS} (or None to measure them)")
+    if config.backends is not None:
+        names = (config.backends,) if isinstance(config.backends, str) else config.backends
+        object.__setattr__(config, "backends", _parse_backends(",".join(names), "backends"))
+        if not config.backends:
+            raise ConfigError(f"backends is empty; name at least one of {BACKENDS}")
+    _parse_backends(os.environ.get(BACKENDS_VARIABLE, ""), BACKENDS_VARIABLE)
+
+
+def _parse_backends(text: str, where: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown:
+        raise ConfigError(f"{where} names unknown backend(s) {unknown}; the backends are "
+                          f"{BACKENDS}")
+    return names
 
 
 def _check_devices(config: OptimizeConfig) -> None:

@@ -41,7 +41,9 @@ class Specialization:
         graph: the optimized whole graph that runs (a ``symbolic_trace`` graph takes every
             forward argument positionally); None for Dynamo and eager.
         backend: what executes it: ``aten`` (the graph's own kernels, lowered ones
-            included), ``cuda_graph`` (replayed as one CUDA graph), ``dynamo`` or ``eager``.
+            included), ``cuda_graph`` (replayed as one CUDA graph), ``inductor`` (kernels
+            TorchInductor generated), ``onnxruntime`` (an in-process ONNX Runtime session),
+            ``dynamo`` or ``eager``.
     """
 
     signature: InputSignature | None
@@ -317,6 +319,8 @@ class OptimizedModule(nn.Module):
 
 
 def _backend(spec: Compiled) -> str:
+    if spec.backend:
+        return spec.backend
     if spec.method in ("dynamo", "eager"):
         return spec.method
     if isinstance(spec.run, nn.Module) and not isinstance(spec.run, GraphModule):

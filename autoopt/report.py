@@ -26,6 +26,38 @@ class PassRecord:
 
 
 @dataclass
+class BackendChoice:
+    """Which backend executes one graph, and why.
+
+    Args:
+        graph: which graph: ``whole graph`` or ``subgraph N`` (Dynamo).
+        chosen: the backend that runs it (``aten``, ``inductor``, ``onnxruntime``).
+        seconds: each verified candidate's measured median seconds a call (forward and
+            backward for a graph with gradients); empty when only one candidate was left.
+        skipped: each candidate not used for a reason other than speed, with the reason
+            (not installed, failed to lower, differs from eager, not for training).
+        cached: the measurement came from the on-disk cache (an earlier ``optimize`` of the
+            same graph, shapes, device, thread count and library versions).
+    """
+
+    graph: str
+    chosen: str
+    seconds: dict[str, float] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    cached: bool = False
+
+    def describe(self) -> str:
+        timed = ", ".join(f"{n} {s * 1e3:.3g} ms" for n, s in
+                          sorted(self.seconds.items(), key=lambda item: item[1]))
+        text = f"backend {self.chosen} for the {self.graph}"
+        if timed:
+            text += f" (measured{' earlier' if self.cached else ''}: {timed})"
+        for name, why in self.skipped.items():
+            text += f"; not {name}: {why}"
+        return text
+
+
+@dataclass
 class CaptureRecord:
     """How one input signature was captured and optimized.
 
@@ -41,6 +73,7 @@ class CaptureRecord:
         cuda_graph: ``recorded`` when calls replay one CUDA graph, else why not (empty where
             CUDA graphs do not apply: CPU, training, symbolic shapes, ``cuda_graphs=False``).
         runs: what runs the calls when it is not the optimized graph, and why.
+        backends: the backend chosen for each graph (one, or one per Dynamo subgraph).
     """
 
     inputs: str
@@ -56,6 +89,7 @@ class CaptureRecord:
     memory_plan: MemoryPlan | None = None  # memory_budget's plan (training captures)
     cuda_graph: str = ""
     runs: str = ""
+    backends: list[BackendChoice] = field(default_factory=list)
 
 
 @dataclass
@@ -79,6 +113,11 @@ class Report:
                 if record.status == "applied":
                     total.update(record.counts)
         return dict(total)
+
+    @property
+    def backends(self) -> list[BackendChoice]:
+        """The backend chosen for every graph of every captured signature, oldest first."""
+        return [choice for capture in self.captures for choice in capture.backends]
 
     def passes_with_status(self, status: str) -> list[str]:
         return sorted({r.name for c in self.captures for r in c.passes if r.status == status})
@@ -115,5 +154,6 @@ class Report:
                 lines.append(f"    cuda graph: {c.cuda_graph}")
             if c.runs:
                 lines.append(f"    runs: {c.runs}")
+            lines.extend(f"    {choice.describe()}" for choice in c.backends)
         lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)

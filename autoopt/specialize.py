@@ -21,6 +21,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from . import memory as memory_lib
+from .backends.whole_graph import lower_whole_graph
 from .capture import graph as capture_lib
 from .capture.dynamo import autoopt_backend
 from .config import OptimizeConfig
@@ -52,6 +53,8 @@ class Compiled:
     # The tensors a pass may have copied into the graph: all of them for an inference
     # capture, those no gradient reaches (buffers, frozen parameters) for one with gradients.
     watched: list[torch.Tensor] | None = None
+    # The backend that runs it, when not ``aten`` (``inductor``, ``onnxruntime``).
+    backend: str = ""
 
 
 def model_device(model: nn.Module) -> torch.device | None:
@@ -99,6 +102,9 @@ class Capturer:
             except ConfigError:
                 raise  # the user's options (an unmeetable memory_budget): no method helps
             except Exception as exc:  # noqa: BLE001 - each failure is a reason, not a crash
+                wrapped = _config_error(exc)
+                if wrapped is not None:  # raised in a Dynamo subgraph (a backend= forced)
+                    raise wrapped from None
                 log.info("capture by %s failed: %s", method, exc)
                 record.attempts.append((method, _reason(exc)))
                 # What the failed attempt recorded is not what will run.
@@ -151,9 +157,32 @@ class Capturer:
         flat = capture_lib.flat_example_inputs(gm, args, kwargs)
         gm = self._optimize_graph(gm, flat, args, kwargs, record, "export",
                                   lambda g: g)
-        run = self._cuda_graph(gm, args, kwargs, record)
-        return Compiled(signature_of(args, kwargs, self.module, gm), "export",
-                        self._unless_unimproved(run, record), gm)
+        run = self._unless_unimproved(self._cuda_graph(gm, args, kwargs, record), record)
+        run, backend = self._lower(gm, run, args, kwargs, record, None)
+        return Compiled(signature_of(args, kwargs, self.module, gm), "export", run, gm,
+                        backend=backend)
+
+    def _lower(self, gm: GraphModule, aten: Callable[..., Any], args: tuple[Any, ...],
+               kwargs: dict[str, Any], record: CaptureRecord,
+               adapt: Callable[[Callable[..., Any]], Callable[..., Any]] | None,
+               ) -> tuple[Callable[..., Any], str]:
+        """The fastest verified backend's callable for ``gm`` (``aten`` runs ``aten``), and
+        its name where it is not ``aten``."""
+        gradients = needs_gradients(args, kwargs, current_modes(self.module))
+        run, choice = lower_whole_graph(
+            gm, aten, self.module, args, kwargs, config=self._config,
+            cost_model=self.cost_model,
+            verify=(lambda c: self._verify(c, args, kwargs, gm)) if self._config.verify
+            else None,
+            adapt=adapt, gradients=gradients,
+            dynamic=self._dynamic or self._dynamic_shapes is not None,
+            memory_plan=record.memory_plan is not None,
+            device=model_device(self.module) or torch.device("cpu"))
+        record.backends.append(choice)
+        if choice.chosen == "aten":
+            return run, ""
+        record.runs = ""  # the generated code runs, not the model as is
+        return run, choice.chosen
 
     def _cuda_graph(self, gm: GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
                     record: CaptureRecord) -> Callable[..., Any]:
@@ -191,8 +220,10 @@ class Capturer:
 
         gm = self._optimize_graph(gm, positional(*args, **kwargs), args, kwargs, record,
                                   "symbolic_trace", adapt)
-        return Compiled(signature_of(args, kwargs, self.module), "symbolic_trace",
-                        self._unless_unimproved(adapt(gm), record), gm)
+        run, backend = self._lower(gm, self._unless_unimproved(adapt(gm), record), args,
+                                   kwargs, record, adapt)
+        return Compiled(signature_of(args, kwargs, self.module), "symbolic_trace", run, gm,
+                        backend=backend)
 
     def _unless_unimproved(self, run: Callable[..., Any], record: CaptureRecord,
                            ) -> Callable[..., Any]:
@@ -333,11 +364,35 @@ class _Mismatch(Exception):
     """A capture produced a graph that is not the model's function; try the next method."""
 
 
+def _config_error(exc: BaseException) -> ConfigError | None:
+    """The ConfigError Dynamo wrapped (``BackendCompilerFailed``), if one is inside ``exc``."""
+    seen = 0
+    current: BaseException | None = exc
+    while current is not None and seen < 8:
+        if isinstance(current, ConfigError):
+            return current
+        current = getattr(current, "inner_exception", None) or current.__cause__
+        seen += 1
+    return None
+
+
 def _reason(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     first = text[0][:240] if text else ""
     return f"{type(exc).__name__}: {first}" if not isinstance(exc, _Mismatch) else first
 
+
+
+def _config_error(exc: BaseException) -> ConfigError | None:
+    """The ConfigError Dynamo wrapped (``BackendCompilerFailed``), if one is inside ``exc``."""
+    seen = 0
+    current: BaseException | None = exc
+    while current is not None and seen < 8:
+        if isinstance(current, ConfigError):
+            return current
+        current = getattr(current, "inner_exception", None) or current.__cause__
+        seen += 1
+    return None
 
 
 def _reason(exc: BaseException) -> str:

@@ -3,6 +3,7 @@ downloaded), and the GPU skip."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -42,6 +43,19 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _aten_backend_by_default() -> Iterator[None]:
+    """Tests not about backends run on ``aten`` alone: compiling every test's graphs with
+    Inductor and ONNX Runtime would take hours on 2 cores. ``tests/test_backends.py`` names
+    its backends; ``AUTOOPT_BACKENDS=aten,inductor,onnxruntime pytest`` runs the whole suite
+    with every backend in the choice."""
+    mp = pytest.MonkeyPatch()
+    if "AUTOOPT_BACKENDS" not in os.environ:
+        mp.setenv("AUTOOPT_BACKENDS", "aten")
+    yield
+    mp.undo()
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
+from ..backends.subgraph import lower_subgraph
 from ..config import OptimizeConfig
 from ..cost_model import CostModel
 from ..driver import copy_graph_module, run_pipeline
@@ -57,13 +58,18 @@ def autoopt_backend(gm: GraphModule, example_inputs: Sequence[Any], *,
         options=config.resolved_pass_options)
     optimized, records = run_pipeline(gm, config.passes, ctx, check if config.verify else None,
                                       disabled=config.disable, debug=config.debug)
+    label = f"subgraph {record.subgraphs + 1}" if record is not None else "subgraph"
+    run, choice = lower_subgraph(optimized, example_inputs, inputs, label=label, config=config,
+                                 cost_model=ctx.cost, verify=check if config.verify else None,
+                                 gradients=ctx.training)
     if record is not None:
         record.subgraphs += 1
         record.nodes_before += len(reference.graph.nodes)
         record.nodes_after += len(optimized.graph.nodes)
         _merge(record, records)
+        record.backends.append(choice)
         record.seconds += time.perf_counter() - start
-    return optimized
+    return run
 
 
 def verify_graph(reference: GraphModule, candidate: GraphModule, example_inputs: list[Any],

@@ -1,0 +1,26 @@
+"""What executes an optimized graph: ``aten``, ``inductor`` or ``onnxruntime``, by measurement.
+
+After the graph passes, each optimized graph (each specialization's whole graph, each Dynamo
+subgraph) is lowered by every candidate backend that can take it, each lowering is verified
+against eager like a pass, and the fastest correct one runs the calls:
+
+- ``aten``: the graph's own ATen kernels, with autoopt's lowerings (oneDNN convolutions, packed
+  linears) and, on a GPU, CUDA graphs;
+- ``inductor``: TorchInductor generates fused kernels for the graph from before autoopt's
+  lowerings (C++/OpenMP with oneDNN weight prepacking on a CPU, Triton on a GPU), through
+  AOTAutograd for a graph with gradients;
+- ``onnxruntime``: inference graphs exported to ONNX and run in-process by ONNX Runtime, torch
+  tensors in and out.
+
+``choose_backend`` (``choice``) does the measuring through the cost model, which caches the
+result on disk. Nothing heavy is imported here: ``import autoopt`` stays fast.
+"""
+
+from __future__ import annotations
+
+BACKENDS: tuple[str, ...] = ("aten", "inductor", "onnxruntime")
+# A comma-separated list of backends: the default candidates when the config names none (a
+# CI run or a serving fleet pins them without touching code).
+BACKENDS_VARIABLE = "AUTOOPT_BACKENDS"
+
+__all__ = ["BACKENDS", "BACKENDS_VARIABLE"]

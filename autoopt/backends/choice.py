@@ -1,0 +1,122 @@
+"""Choosing a graph's backend: every candidate lowered, verified, then measured.
+
+A candidate that cannot be built (not installed, an op it lacks, a compile error) or whose
+results differ from eager is skipped with its reason; the verified ones are timed by the cost
+model on the real inputs, interleaved, and the fastest runs the calls. The measurement is
+cached on disk under the graph's identity (its code, weights' shapes, inputs' shapes, the
+candidates, the device, thread count and library versions), so the next ``optimize`` of the
+same model builds and verifies only the winner.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..cost_model import CostModel
+from ..errors import ConfigError
+from ..report import BackendChoice
+from ..verify import VerifyResult
+
+log = logging.getLogger(__name__)
+
+# Rounds of interleaved timing per choice, and the seconds after which to stop (at least 3).
+_ROUNDS, _BUDGET_S = 9, 3.0
+
+
+@dataclass
+class Lowering:
+    """One backend's lowering of a graph: ``build()`` returns what to call, or raises.
+
+    ``verified``: the result is already checked against eager (the pass driver's graph).
+    """
+
+    name: str
+    build: Callable[[], Callable[..., Any]]
+    verified: bool = False
+
+
+def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str, str], *,
+                   verify: Callable[[Callable[..., Any]], VerifyResult] | None,
+                   timer: Callable[[Callable[..., Any]], Callable[[], Any]],
+                   cost_model: CostModel, what: str, required: bool, gradients: bool,
+                   state: Sequence[Any] = ()) -> tuple[Callable[..., Any], BackendChoice]:
+    """The callable to run ``graph`` with, and the record of the choice.
+
+    Args:
+        graph: which graph, for the report (``whole graph``, ``subgraph 2``).
+        lowerings: the candidates that apply, in order of preference on a tie.
+        skipped: candidates that do not apply here, with why (they join the record).
+        verify: compares a built candidate with eager; None trusts it.
+        timer: a no-argument callable that runs one built candidate once on real inputs
+            (with its backward for a graph with gradients).
+        cost_model: what measures, and caches what it measured.
+        what: the graph's identity, for the cache key.
+        required: the user named this one backend: a failure raises instead of falling back.
+        gradients: the timed runs need gradients enabled.
+        state: what the timed runs may write, restored after them.
+    """
+    skipped = dict(skipped)
+    requested = [lowering.name for lowering in lowerings] + list(skipped)
+    if required and skipped and not lowerings:
+        name, why = next(iter(skipped.items()))
+        raise ConfigError(f"backend={name!r} cannot execute the {graph}: {why}. Pass "
+                          f"backends=({name!r}, 'aten') to fall back when it cannot.")
+
+    def build(lowering: Lowering) -> Callable[..., Any] | None:
+        log.info("backend: lowering the %s with %s", graph, lowering.name)
+        start = time.perf_counter()
+        try:
+            run = lowering.build()
+            verdict = None if lowering.verified or verify is None else verify(run)
+        except Exception as exc:  # noqa: BLE001 - a backend that fails is skipped, not fatal
+            log.info("backend %s failed: %s", lowering.name, exc)
+            skipped[lowering.name] = f"failed to lower: {_first_line(exc)}"
+            return None
+        if verdict is not None and not verdict.ok:
+            skipped[lowering.name] = f"differs from eager ({verdict.detail})"
+            return None
+        log.info("backend: %s ready in %.1f s", lowering.name, time.perf_counter() - start)
+        return run
+
+    stored = cost_model.recorded(what, requested)
+    if stored:
+        for lowering in sorted((lw for lw in lowerings if lw.name in stored),
+                               key=lambda lw: stored[lw.name]):
+            run = build(lowering)
+            if run is not None:
+                return run, BackendChoice(graph, lowering.name, stored, skipped, cached=True)
+
+    built = {}
+    for lowering in lowerings:
+        run = build(lowering)
+        if run is not None:
+            built[lowering.name] = run
+    if not built:
+        reasons = "; ".join(f"{name}: {why}" for name, why in skipped.items())
+        hint = (f"Pass backends=({requested[0]!r}, 'aten') to fall back when it cannot."
+                if required else "Include 'aten' in backends= to always have a way to run it.")
+        raise ConfigError(f"no backend of {tuple(requested)} can execute the {graph} "
+                          f"({reasons}). {hint}")
+    if len(built) == 1:
+        (name, run), = built.items()
+        return run, BackendChoice(graph, name, {}, skipped)
+    log.info("backend: measuring %s on the %s", ", ".join(built), graph)
+    try:
+        best, seconds = cost_model.fastest(
+            what, {name: timer(run) for name, run in built.items()}, repeats=_ROUNDS,
+            state=state, grad=gradients, budget_s=_BUDGET_S, cache_as=requested)
+    except Exception as exc:  # noqa: BLE001 - a verified candidate that fails when timed
+        # The preferred candidate still runs (all of them matched eager); the reason is kept.
+        best, seconds = next(iter(built)), {}
+        for name in list(built)[1:]:
+            skipped[name] = f"not measured: timing the candidates raised {_first_line(exc)}"
+    return built[best], BackendChoice(graph, best, seconds, skipped)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:240] if text else ''}"

@@ -1,0 +1,102 @@
+"""ONNX Runtime as a backend: an inference graph exported to ONNX and run in-process.
+
+The graph from before autoopt's lowering passes is written by the same exporter
+``autoopt.export_onnx`` uses, loaded into an ``InferenceSession`` (CPU provider with torch's
+thread count on a CPU; TensorRT/CUDA where installed on a GPU, tensors bound in place) and
+called with the model's own arguments: tensors go in without a copy (numpy views on a CPU) and
+come back as torch tensors in the model's output structure.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+from torch.utils import _pytree as pytree
+
+from ..export.onnx_io import flat_tensors, name_inputs, name_outputs
+from ..export.onnx_writer import weight_bytes, write_onnx
+from ..export.session import OnnxSession, onnx_session
+
+_PROTOBUF_LIMIT = 2 ** 31 - 2 ** 20  # one protobuf holds under 2 GB; weights beyond go aside
+
+
+class OrtGraph:
+    """Calls an ONNX Runtime session like the model: same arguments, same output structure.
+
+    Args:
+        session: the session over the exported graph.
+        input_names: one name per tensor input, in pytree order of ``(args, kwargs)``.
+        expected: an output of the model, whose structure (and non-tensor leaves, which the
+            graph specialized) the results are put back into.
+    """
+
+    def __init__(self, session: OnnxSession, input_names: list[str], expected: Any) -> None:
+        self.session = session
+        self.input_names = input_names
+        leaves, self._spec = pytree.tree_flatten(expected)
+        self._leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        self._outputs = list(session.output_names)
+        tensors = sum(isinstance(x, torch.Tensor) for x in leaves)
+        if tensors != len(self._outputs):
+            raise ValueError(f"the ONNX graph has {len(self._outputs)} outputs for the model's "
+                             f"{tensors} output tensors")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        given = flat_tensors(args, kwargs, self.input_names)
+        # ORT drops inputs the graph does not read; feed only those it kept.
+        feeds = {name: given[name].contiguous() for name in self.session.input_names}
+        results = self.session.run(feeds)
+        values = iter(results[name] for name in self._outputs)
+        leaves = [next(values) if x is None else x for x in self._leaves]
+        return pytree.tree_unflatten(leaves, self._spec)
+
+
+def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+          expected: Any, device: torch.device) -> OrtGraph:
+    """``gm`` exported to ONNX and opened in an ONNX Runtime session on ``device``.
+
+    Args:
+        gm: the graph to export (taking ``(args, kwargs)``).
+        forward: the model's forward, which names the ONNX inputs.
+        expected: the model's output on ``(args, kwargs)``.
+    """
+    input_names = name_inputs(forward, args, kwargs)
+    output_names = name_outputs(expected)
+    with tempfile.TemporaryDirectory(prefix="autoopt-ort-") as folder:
+        path = Path(folder) / "graph.onnx"
+        write_onnx(gm, args, kwargs, path, input_names, output_names, None, (), None,
+                   weight_bytes(gm) > _PROTOBUF_LIMIT, "auto")
+        # The session holds the weights in memory once created; the folder can go.
+        session = onnx_session(path, device, threads=torch.get_num_threads()
+                               if device.type == "cpu" else None)
+    return OrtGraph(session, input_names, expected)
+
+
+def available() -> str:
+    """Why ONNX Runtime cannot run here, or ''."""
+    for package in ("onnxruntime", "onnx", "onnxscript"):
+        try:
+            importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            if package == "onnxruntime":
+                try:
+                    importlib.metadata.version("onnxruntime-gpu")
+                    continue
+                except importlib.metadata.PackageNotFoundError:
+                    pass
+            return f"{package} is not installed (pip install {package})"
+    return ""
+
+
+def version() -> str:
+    for package in ("onnxruntime", "onnxruntime-gpu"):
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "none"

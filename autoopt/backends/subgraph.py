@@ -1,0 +1,79 @@
+"""The backend for one Dynamo subgraph: ``aten`` (the optimized graph) or ``inductor``.
+
+A Dynamo subgraph takes flat tensors (its parameters among them) and is lowered by Inductor
+exactly as ``torch.compile``'s default backend lowers it (``compile_fx``, inside Dynamo's
+tracing context). ONNX Runtime does not apply: a subgraph is one piece of a forward whose
+Python runs in between, and exporting each piece would cost more than it saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from ..config import OptimizeConfig
+from ..cost_model import CostModel
+from ..driver import copy_graph_module, portable
+from ..report import BackendChoice
+from ..verify import VerifyResult
+from . import inductor
+from .choice import Lowering, choose_backend
+from .whole_graph import identity
+
+
+def lower_subgraph(optimized: GraphModule, example_inputs: Sequence[Any], inputs: list[Any], *,
+                   label: str, config: OptimizeConfig, cost_model: CostModel,
+                   verify: Callable[[Callable[..., Any]], VerifyResult] | None,
+                   gradients: bool) -> tuple[Callable[..., Any], BackendChoice]:
+    """What Dynamo runs for this subgraph, and the record of the choice.
+
+    Args:
+        optimized: the subgraph after the passes (verified).
+        example_inputs: what Dynamo gave (symbolic sizes included), for Inductor.
+        inputs: the same made concrete, to verify and time on.
+        gradients: a gradient can flow through it.
+    """
+    lowerings, skipped = [], {}
+    for name in config.candidate_backends:
+        if name == "aten":
+            lowerings.append(Lowering("aten", lambda: optimized, verified=True))
+        elif name == "inductor":
+            why = inductor.available()
+            if why:
+                skipped[name] = why
+            else:
+                lowerings.append(Lowering(name, lambda: _inductor(optimized, example_inputs)))
+        else:
+            skipped[name] = ("a Dynamo subgraph is one piece of a forward whose Python runs "
+                             "in between; it is lowered by aten or inductor")
+
+    def timer(run: Callable[..., Any]) -> Callable[[], Any]:
+        private = [x.detach().clone().requires_grad_(x.requires_grad)
+                   if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
+                   else x for x in inputs]
+        wrt = [x for x in private if isinstance(x, torch.Tensor) and x.requires_grad]
+
+        def step() -> None:
+            out = run(*private)
+            if gradients and wrt:
+                outs = [x for x in torch.utils._pytree.tree_leaves(out)
+                        if isinstance(x, torch.Tensor) and x.requires_grad]
+                if outs:
+                    torch.autograd.grad(outs, wrt, [torch.ones_like(x) for x in outs],
+                                        allow_unused=True)
+        return step
+
+    what = identity(optimized, portable(optimized), tuple(inputs), {}, gradients, False)
+    return choose_backend(label, lowerings, skipped, verify=verify, timer=timer,
+                          cost_model=cost_model, what=what,
+                          required=config.backend is not None, gradients=gradients)
+
+
+def _inductor(optimized: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    from torch._inductor.compile_fx import compile_fx
+
+    # A copy: Inductor rewrites the graph module it is given.
+    return compile_fx(copy_graph_module(portable(optimized)), list(example_inputs))

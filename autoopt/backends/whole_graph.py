@@ -1,0 +1,139 @@
+"""The backend for one captured whole graph (``torch.export`` or ``symbolic_trace``).
+
+``lower_whole_graph`` lists the candidates that apply to the graph (``aten`` is the pass
+driver's verified result; Inductor and ONNX Runtime lower the graph from before autoopt's own
+lowerings) with why the others do not, and lets ``choose_backend`` verify and measure them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+from torch.utils import _pytree as pytree
+
+from ..config import OptimizeConfig
+from ..cost_model import CostModel
+from ..cost_model.estimate import value_spec
+from ..driver import portable
+from ..report import BackendChoice
+from ..state import preserved
+from ..verify import VerifyResult, clone_inputs
+from . import inductor
+from . import onnxruntime as ort
+from .choice import Lowering, choose_backend
+
+
+def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Module,
+                      args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                      config: OptimizeConfig, cost_model: CostModel,
+                      verify: Callable[[Callable[..., Any]], VerifyResult] | None,
+                      adapt: Callable[[Callable[..., Any]], Callable[..., Any]] | None,
+                      gradients: bool, dynamic: bool, memory_plan: bool,
+                      device: torch.device) -> tuple[Callable[..., Any], BackendChoice]:
+    """What runs the calls for ``gm`` and the record of the choice.
+
+    Args:
+        gm: the optimized graph (after the passes and any memory plan).
+        aten: what runs it on the ``aten`` backend (the graph, its CUDA graph, or the model
+            where no pass changed anything), already verified.
+        module: the model (autoopt's copy), which ``args, kwargs`` are the inputs of.
+        adapt: turns a callable taking the graph's positional inputs into one taking the
+            model's (``symbolic_trace``); None: the graph takes the model's arguments
+            (``torch.export``), which ONNX export needs.
+        gradients: a gradient can flow through the calls.
+        dynamic: the graph keeps some sizes symbolic.
+        memory_plan: ``memory_budget``'s plan was applied to the aten graph.
+    """
+    source = portable(gm)
+    names = config.candidate_backends
+    lowerings, skipped = [], {}
+
+    def call(run: Callable[..., Any]) -> Callable[..., Any]:
+        return adapt(run) if adapt is not None else run
+
+    def warm(run: Callable[..., Any]) -> Callable[..., Any]:
+        # Inductor compiles on the first call: a compile error is a skipped candidate here,
+        # never a failure of the user's first call.
+        a, k = clone_inputs(args, kwargs)
+        with preserved(module):
+            torch.manual_seed(0)
+            run(*a, **k)
+        return run
+
+    for name in names:
+        if name == "aten":
+            lowerings.append(Lowering("aten", lambda: aten, verified=True))
+        elif name == "inductor":
+            why = inductor.available() or (
+                "memory_budget's plan (recompute, offload) is applied to the aten graph, "
+                "and Inductor would plan saved activations its own way" if memory_plan else "")
+            if why:
+                skipped[name] = why
+            else:
+                lowerings.append(Lowering(name, lambda: warm(call(inductor.lower(
+                    source, dynamic=dynamic, gradients=gradients)))))
+        elif name == "onnxruntime":
+            why = ort.available() or (
+                "inference only (ONNX Runtime computes no gradients)" if gradients else
+                "the graph keeps symbolic sizes (dynamic=); ONNX Runtime is measured on "
+                "static shapes" if dynamic else
+                "the graph takes the model's inputs positionally (symbolic_trace); ONNX "
+                "export needs a torch.export graph" if adapt is not None else
+                f"no ONNX Runtime provider for {device.type}" if device.type not in
+                ("cpu", "cuda") else "")
+            if why:
+                skipped[name] = why
+            else:
+                lowerings.append(Lowering(name, lambda: warm(_onnxruntime(
+                    source, module, args, kwargs, device))))
+
+    def timer(run: Callable[..., Any]) -> Callable[[], Any]:
+        a, k = clone_inputs(args, kwargs)
+        if not gradients:
+            return lambda: run(*a, **k)
+        wrt = [p for p in module.parameters() if p.requires_grad] + [
+            x for x in pytree.tree_leaves((a, k))
+            if isinstance(x, torch.Tensor) and x.requires_grad]
+
+        def step() -> None:  # forward and backward; gradients returned, not accumulated
+            outputs = [x for x in pytree.tree_leaves(run(*a, **k))
+                       if isinstance(x, torch.Tensor) and x.requires_grad]
+            if outputs and wrt:
+                torch.autograd.grad(outputs, wrt, [torch.ones_like(x) for x in outputs],
+                                    allow_unused=True)
+        return step
+
+    what = identity(gm, source, args, kwargs, gradients, dynamic)
+    return choose_backend("whole graph", lowerings, skipped, verify=verify, timer=timer,
+                          cost_model=cost_model, what=what,
+                          required=config.backend is not None, gradients=gradients,
+                          state=[module])
+
+
+def _onnxruntime(source: GraphModule, module: nn.Module, args: tuple[Any, ...],
+                 kwargs: dict[str, Any], device: torch.device) -> ort.OrtGraph:
+    a, k = clone_inputs(args, kwargs)
+    with torch.no_grad(), preserved(module):
+        expected = module(*a, **k)
+    return ort.lower(source, module.forward, args, kwargs, expected, device)
+
+
+def identity(gm: GraphModule, source: GraphModule, args: tuple[Any, ...],
+             kwargs: dict[str, Any], gradients: bool, dynamic: bool) -> str:
+    """What the measured choice holds for: the graphs' code, the weights' shapes and dtypes,
+    the inputs', the mode and the ONNX Runtime version (the cost model adds the device,
+    thread count and torch version)."""
+    digest = hashlib.sha256()
+    for graph in dict.fromkeys((gm, source)):
+        digest.update(graph.code.encode())
+    for name, tensor in itertools.chain(source.named_parameters(), source.named_buffers()):
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+    digest.update(value_spec(pytree.tree_leaves((args, kwargs))).encode())
+    return f"backend|{digest.hexdigest()[:32]}|grad={gradients}|dynamic={dynamic}|" \
+           f"onnxruntime={ort.version()}"

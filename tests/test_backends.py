@@ -1,0 +1,332 @@
+"""The backend stage: aten, Inductor and ONNX Runtime lowerings, verified, measured, cached.
+
+Every test names its backends (the suite's default is ``aten`` alone, see conftest). No test
+asserts which backend is fastest: that is this machine's measurement; tests that check the
+choice's logic pin the measurement instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import autoopt
+from autoopt.backends import choice as choice_lib
+from autoopt.backends import inductor
+from autoopt.backends import onnxruntime as ort
+from autoopt.backends.choice import Lowering, choose_backend
+from autoopt.cost_model import CostCache, CostModel
+from autoopt.errors import ConfigError
+from autoopt.verify import VerifyResult
+
+from .checks import assert_same_function
+from .model_zoo import bert, token_ids
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def cnn() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.GELU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(8, 10))
+    return model.eval(), (torch.randn(2, 3, 16, 16),), {}
+
+
+def gpt2(dropout: float = 0.1) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    config = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2,
+                                     n_positions=64, resid_pdrop=dropout, embd_pdrop=dropout,
+                                     attn_pdrop=dropout)
+    return transformers.GPT2LMHeadModel(config).eval(), (token_ids(),), {"use_cache": False}
+
+
+MODELS = {"cnn": cnn, "bert": bert, "gpt2": gpt2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["inductor", "onnxruntime"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_each_backend_computes_the_models_function(name: str, backend: str) -> None:
+    model, args, kwargs = MODELS[name]()
+    fast = autoopt.optimize(model, args, kwargs, backend=backend)
+    assert fast.specializations[0].backend == backend
+    (choice,) = fast.report.backends
+    assert (choice.graph, choice.chosen, choice.skipped) == ("whole graph", backend, {})
+    assert f"backend {backend} for the whole graph" in str(fast.report)
+    assert_same_function(model, fast, args, kwargs)
+
+
+def _train_step(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                ) -> tuple[Any, list[torch.Tensor]]:
+    out = module(*args, **kwargs)
+    logits = out if isinstance(out, torch.Tensor) else out["logits"]
+    logits.float().square().mean().backward()
+    return logits.detach(), [p.grad.clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("name", ["cnn", "gpt2"])
+def test_inductor_trains_with_eagers_gradients(name: str) -> None:
+    model, args, kwargs = cnn() if name == "cnn" else gpt2(dropout=0.0)
+    model.train()
+    reference = copy.deepcopy(model)
+    fast = autoopt.optimize(model, args, kwargs, training=True, backend="inductor")
+    assert fast.specializations[0].backend == "inductor"
+    for _ in range(2):  # a second step: BatchNorm's statistics moved, gradients accumulate
+        expected, expected_grads = _train_step(reference, args, kwargs)
+        actual, grads = _train_step(fast, args, kwargs)
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+        for g, e in zip(grads, expected_grads, strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-3, atol=1e-5)
+    for name_, b in reference.named_buffers():
+        torch.testing.assert_close(dict(fast.module.named_buffers())[name_], b)
+
+
+def test_onnxruntime_is_skipped_for_training_and_forcing_it_raises() -> None:
+    model, args, kwargs = cnn()
+    model.train()
+    fast = autoopt.optimize(model, args, kwargs, training=True,
+                            backends=("aten", "onnxruntime"))
+    (choice,) = fast.report.backends
+    assert choice.chosen == "aten"
+    assert "inference only" in choice.skipped["onnxruntime"]
+    with pytest.raises(ConfigError, match="inference only"):
+        autoopt.optimize(model, args, kwargs, training=True, backend="onnxruntime")
+
+
+def test_a_missing_backend_is_skipped_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ort, "available", lambda: "onnxruntime is not installed (pip install "
+                                                  "onnxruntime)")
+    model, args, kwargs = cnn()
+    fast = autoopt.optimize(model, args, kwargs, backends=("aten", "onnxruntime"))
+    (choice,) = fast.report.backends
+    assert choice.chosen == "aten" and choice.seconds == {}
+    assert choice.skipped == {"onnxruntime": "onnxruntime is not installed (pip install "
+                                             "onnxruntime)"}
+    assert "not onnxruntime: onnxruntime is not installed" in str(fast.report)
+    assert_same_function(model, fast, args, kwargs)
+    with pytest.raises(ConfigError, match="not installed"):
+        autoopt.optimize(model, args, kwargs, backend="onnxruntime")
+
+
+def test_a_backend_that_fails_or_differs_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("no kernel for this op")
+
+    real = ort.lower
+
+    def wrong(*a: Any, **k: Any) -> Any:
+        session = real(*a, **k)
+        return lambda *x, **y: session(*x, **y) + 1.0  # off by one: verification must see it
+
+    monkeypatch.setattr(inductor, "lower", broken)
+    monkeypatch.setattr(ort, "lower", wrong)
+    model, args, kwargs = cnn()
+    fast = autoopt.optimize(model, args, kwargs,
+                            backends=("aten", "inductor", "onnxruntime"))
+    (choice,) = fast.report.backends
+    assert choice.chosen == "aten"
+    assert choice.skipped["inductor"] == "failed to lower: RuntimeError: no kernel for this op"
+    assert choice.skipped["onnxruntime"].startswith("differs from eager")
+    assert_same_function(model, fast, args, kwargs)
+    with pytest.raises(ConfigError, match="differs from eager"):
+        autoopt.optimize(model, args, kwargs, backend="onnxruntime")
+
+
+def test_a_measured_choice_is_cached_and_keyed(monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Any) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a cache no other test wrote
+    built: list[str] = []
+    real = ort.lower
+
+    def counting(*a: Any, **k: Any) -> Any:
+        built.append("onnxruntime")
+        return real(*a, **k)
+
+    monkeypatch.setattr(ort, "lower", counting)
+    model, args, kwargs = cnn()
+
+    def choose() -> Any:
+        built.clear()
+        fast = autoopt.optimize(model, args, kwargs, backends=("aten", "onnxruntime"))
+        assert_same_function(model, fast, args, kwargs)
+        return fast.report.backends[0]
+
+    first = choose()
+    assert not first.cached and set(first.seconds) == {"aten", "onnxruntime"}
+    assert built == ["onnxruntime"]
+    again = choose()
+    assert again.cached and again.seconds == first.seconds and again.chosen == first.chosen
+    assert built == (["onnxruntime"] if first.chosen == "onnxruntime" else [])  # the winner
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads != 1 else 2)
+        assert not choose().cached  # measured at another thread count: not reused
+    finally:
+        torch.set_num_threads(threads)
+    assert choose().cached
+    monkeypatch.setattr("autoopt.cost_model.model.library_versions", lambda: "torch=0.0")
+    assert not choose().cached  # another torch
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(ort, "version", lambda: "0.0")
+    assert not choose().cached  # another ONNX Runtime
+
+
+class _PinnedCost(CostModel):
+    """A cost model whose measurements are given, to check the choice without a clock."""
+
+    def __init__(self, seconds: dict[str, float]) -> None:
+        super().__init__("cpu", CostCache.in_memory())
+        self.seconds = seconds
+        self.timed: list[list[str]] = []
+
+    def fastest(self, what: str, candidates: dict[str, Any], *_: Any, cache_as: Any = None,
+                **__: Any) -> tuple[str, dict[str, float]]:
+        self.timed.append(sorted(candidates))
+        seconds = {name: self.seconds[name] for name in candidates}
+        self.cache.put(self._fastest_key(what, cache_as or candidates), seconds)
+        return min(seconds, key=seconds.__getitem__), seconds
+
+
+def test_the_fastest_verified_candidate_wins_and_only_it_is_rebuilt() -> None:
+    builds: list[str] = []
+
+    def lowering(name: str, ok: bool = True) -> Lowering:
+        def build() -> Any:
+            builds.append(name)
+            return lambda: name if ok else "wrong"
+        return Lowering(name, build)
+
+    def verify(run: Any) -> VerifyResult:
+        return VerifyResult(run() != "wrong", detail="" if run() != "wrong" else "outputs differ")
+
+    cost = _PinnedCost({"aten": 3.0, "inductor": 1.0, "onnxruntime": 2.0})
+    candidates = [lowering("aten"), lowering("inductor"), lowering("onnxruntime", ok=False)]
+
+    def choose() -> Any:
+        builds.clear()
+        return choose_backend("whole graph", candidates, {}, verify=verify,
+                              timer=lambda run: run, cost_model=cost, what="g",
+                              required=False, gradients=False)
+
+    run, choice = choose()
+    assert run() == "inductor" and choice.chosen == "inductor" and not choice.cached
+    assert cost.timed == [["aten", "inductor"]]  # the candidate that differs is not timed
+    assert choice.skipped == {"onnxruntime": "differs from eager (outputs differ)"}
+    run, choice = choose()
+    assert (run(), choice.cached, builds) == ("inductor", True, ["inductor"])
+    with pytest.raises(ConfigError, match="no backend of"):
+        choose_backend("whole graph", [lowering("onnxruntime", ok=False)], {}, verify=verify,
+                       timer=lambda run: run, cost_model=cost, what="h", required=True,
+                       gradients=False)
+
+
+def test_dynamo_subgraphs_choose_their_backends() -> None:
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.relu(self.a(x))
+            if y.sum() > 0:  # data-dependent: Dynamo breaks the graph here
+                y = y * 2
+            return self.b(y).softmax(-1)
+
+    model, x = Branchy().eval(), torch.randn(4, 16)
+    fast = autoopt.optimize(model, (x,), backends=("aten", "inductor", "onnxruntime"))
+    assert fast.report.capture_method == "dynamo"
+    choices = fast.report.backends
+    assert [c.graph for c in choices] == ["subgraph 1", "subgraph 2"]
+    assert all(c.chosen in ("aten", "inductor") and "onnxruntime" in c.skipped
+               for c in choices)
+    assert_same_function(model, fast, (x,), {})
+    with pytest.raises(ConfigError, match="Dynamo subgraph"):
+        autoopt.optimize(model, (x,), backend="onnxruntime")
+
+
+@pytest.mark.parametrize("backend", ["inductor", "onnxruntime"])
+def test_weights_written_after_lowering_are_used(backend: str) -> None:
+    # Both backends hold the weights as constants of their own (Inductor's freezing, the
+    # ONNX file's initializers): a write must not be answered from the stale copy.
+    model, args, kwargs = cnn()
+    fast = autoopt.optimize(model, args, kwargs, backend=backend)
+    with torch.no_grad():
+        fast.module[0].weight.mul_(-2.0)
+        fast.module[1].running_mean.add_(0.5)
+        torch.testing.assert_close(fast(*args), copy.deepcopy(fast.module)(*args))
+
+
+def test_onnxruntime_from_threads_and_on_new_shapes() -> None:
+    model, args, kwargs = bert()
+    fast = autoopt.optimize(model, args, kwargs, backends=("onnxruntime",))
+    assert fast.specializations[0].backend == "onnxruntime"
+    inputs = [(token_ids(2, 16),), (token_ids(3, 8),)]  # the second: a new signature
+    with torch.no_grad():
+        expected = [model(*a, attention_mask=torch.ones_like(a[0])) for a in inputs]
+    results: dict[int, Any] = {}
+
+    def call(i: int) -> None:
+        with torch.no_grad():
+            a = inputs[i % 2]
+            results[i] = fast(*a, attention_mask=torch.ones_like(a[0]))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, out in results.items():
+        torch.testing.assert_close(out.last_hidden_state, expected[i % 2].last_hidden_state,
+                                   rtol=1e-4, atol=1e-4)
+    assert [s.backend for s in fast.specializations] == ["onnxruntime", "onnxruntime"]
+
+
+def test_dynamic_shapes_skip_onnxruntime_and_inductor_serves_every_size() -> None:
+    model, args, kwargs = cnn()
+    fast = autoopt.optimize(model, args, kwargs, dynamic=True,
+                            backends=("inductor", "onnxruntime"))
+    (choice,) = fast.report.backends
+    assert choice.chosen == "inductor" and "symbolic sizes" in choice.skipped["onnxruntime"]
+    for batch in (3, 5, 7):  # (export specializes a size of 1)
+        x = torch.randn(batch, 3, 16, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)
+    assert len(fast.specializations) == 1
+
+
+def test_backend_options_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, args, kwargs = cnn()
+    with pytest.raises(ConfigError, match="not a backend"):
+        autoopt.optimize(model, args, kwargs, backend="tvm")
+    with pytest.raises(ConfigError, match="not both"):
+        autoopt.optimize(model, args, kwargs, backend="aten", backends=("aten",))
+    with pytest.raises(ConfigError, match="unknown backend"):
+        autoopt.optimize(model, args, kwargs, backends=("aten", "xla"))
+    monkeypatch.setenv("AUTOOPT_BACKENDS", "aten,tensorrt")
+    with pytest.raises(ConfigError, match="AUTOOPT_BACKENDS"):
+        autoopt.optimize(model, args, kwargs)
+    monkeypatch.setenv("AUTOOPT_BACKENDS", "onnxruntime")
+    fast = autoopt.optimize(model, args, kwargs)
+    assert fast.report.backends[0].chosen == "onnxruntime"
+
+
+def test_measuring_failure_keeps_a_verified_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
+    cost = CostModel("cpu", CostCache.in_memory())
+
+    def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("timer crashed")
+
+    monkeypatch.setattr(cost, "fastest", broken)
+    run, choice = choice_lib.choose_backend(
+        "whole graph", [Lowering("aten", lambda: "a", verified=True),
+                        Lowering("inductor", lambda: "i", verified=True)], {},
+        verify=None, timer=lambda run: run, cost_model=cost, what="x", required=False,
+        gradients=False)
+    assert (run, choice.chosen) == ("a", "aten")
+    assert "timer crashed" in choice.skipped["inductor"]
