@@ -298,6 +298,13 @@ def test_new_optimize_options_reach_the_config(monkeypatch: pytest.MonkeyPatch,
     assert main(["optimize", "torch.nn:Identity", "--input", "2x3", "--train",
                  "--memory-budget", "0.5"]) == 0
     assert seen["memory_budget"] == 0.5
+    assert main(["optimize", "torch.nn:Identity", "--input", "2x3", "--backends",
+                 "aten,onnxruntime"]) == 0
+    assert OptimizeConfig.build(None, {"backends": seen["backends"]}).candidate_backends == (
+        "aten", "onnxruntime")
+    assert main(["optimize", "torch.nn:Identity", "--input", "2x3", "--backend",
+                 "inductor"]) == 0
+    assert seen["backend"] == "inductor" and seen["backends"] is None
 
 
 @pytest.mark.parametrize("argv, message", [

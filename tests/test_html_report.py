@@ -82,6 +82,7 @@ def test_optimize_writes_the_report_when_asked(tmp_path: Path) -> None:
     _assert_self_contained(text)
     assert "fold_batchnorm" in text  # what each pass changed
     assert "conv2d" in text  # the per-op breakdown
+    assert "backend (whole graph)" in text  # what executes the graph
     with torch.no_grad():
         torch.testing.assert_close(fast(*args), model(*args), rtol=1e-4, atol=1e-4)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..backends import BACKENDS
 from ..errors import ConfigError
 from ..passes.precision import PRECISIONS
 from .common import (
@@ -17,8 +18,6 @@ from .common import (
     parse_budget_option,
 )
 from .progress import output, stage
-
-# No --backend: OptimizeConfig has no backend choice yet (the lowering passes are the backend).
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,6 +35,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     opt.add_argument("--memory-budget", default=None, metavar="SIZE",
                      help="with --train: the memory saved activations may take on the device, "
                           "e.g. 8GiB, 512MiB, bytes, or a fraction of device memory such as 0.5")
+    opt.add_argument("--backend", choices=BACKENDS, default=None,
+                     help="the one backend to execute the graphs with (default: the fastest "
+                          "of --backends, measured)")
+    opt.add_argument("--backends", default=None, metavar="NAMES",
+                     help=f"comma-separated backends to measure and choose from (default: "
+                          f"{','.join(BACKENDS)}, or $AUTOOPT_BACKENDS)")
     opt.add_argument("--no-verify", action="store_true", help="skip checking against eager")
     opt.add_argument("--save", metavar="PATH.pt2",
                      help="save the optimized graph as a torch.export program")
@@ -60,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     optimized = optimize(model, inputs, kwargs, device=args.device, dynamic="all" in dims,
                          dynamic_shapes=shapes, disable=disabled(args),
                          verify=not args.no_verify, precision=args.precision,
-                         memory_budget=budget)
+                         memory_budget=budget, backend=args.backend,
+                         backends=args.backends.split(",") if args.backends else None)
     output(str(optimized.report))
     if args.save:
         stage(f"saving {args.save}")

@@ -196,6 +196,14 @@ def _passes_section(data: ReportData) -> str:
                         f"</td><td>{_e(r.reason)}</td></tr>")
             if r.status == "applied":
                 counts[r.name] = counts.get(r.name, 0) + sum(r.counts.values())
+        for choice in c.backends:
+            measured = ", ".join(f"{n}: {s * 1e3:.3g} ms" for n, s in
+                                 sorted(choice.seconds.items(), key=lambda item: item[1]))
+            skipped = "; ".join(f"not {n}: {why}" for n, why in choice.skipped.items())
+            rows.append(f"<tr class=\"backend\"><td>backend ({_e(choice.graph)})</td>"
+                        f"<td class=\"applied\">{_e(choice.chosen)}</td><td>{_e(measured)}"
+                        f"{' (cached)' if choice.cached else ''}</td><td></td>"
+                        f"<td>{_e(skipped)}</td></tr>")
     chart = ""
     if counts:
         fig, ax = figure(6.5, 0.6 + 0.35 * len(counts))
