@@ -45,6 +45,7 @@ torch.nn.modules.module.register_module_buffer_registration_hook(_count_assignme
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
 _SAMPLES = 8  # elements of each tensor's memory in the fingerprint
+_VERSION = operator.attrgetter("_version")
 
 
 def _is_scalar(value: Any) -> bool:
@@ -67,14 +68,19 @@ class ModuleWatch:
     # --- tensors -----------------------------------------------------------------------------
 
     def refresh_tensors(self) -> None:
-        slots: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+        slots: list[tuple[dict[str, Any], Callable[[dict[str, Any]], Any], tuple[Any, ...]]] = []
         tensors: dict[int, torch.Tensor] = {}
         for m in self.module.modules():
             for table in (m._parameters, m._buffers):
-                for name, t in table.items():
-                    if t is not None:
-                        slots.append((table, name, t))
-                        tensors.setdefault(id(t), t)
+                names = [name for name, t in table.items() if t is not None]
+                if not names:
+                    continue
+                # One getter per table, compared by identity in C: a call pays ~0.3 µs a
+                # table instead of a Python step per tensor.
+                slots.append((table, operator.itemgetter(*names, names[0]),
+                              tuple(table[name] for name in names) + (table[names[0]],)))
+                for name in names:
+                    tensors.setdefault(id(table[name]), table[name])
         self._slots = slots
         self.assignments = 0
         self._register()
@@ -96,7 +102,14 @@ class ModuleWatch:
     def replaced(self) -> bool:
         """Whether any parameter or buffer slot now holds another tensor than at the snapshot
         (``assign=True`` loads, attribute assignment, ``functional_call``)."""
-        return any(table.get(name) is not t for table, name, t in self._slots)
+        for table, get, saved in self._slots:
+            try:
+                now = get(table)
+            except KeyError:  # deleted
+                return True
+            if not all(map(operator.is_, now, saved)):
+                return True
+        return False
 
     def reassigned(self) -> bool:
         """Whether a parameter or buffer was assigned to the module since the snapshot: a
@@ -108,7 +121,7 @@ class ModuleWatch:
     def stamp(self, tensors: list[torch.Tensor] | None = None) -> int:
         """Grows with every in-place write to these tensors (default: all the module's):
         version counters only grow."""
-        return sum(t._version for t in (self.tensors if tensors is None else tensors))
+        return sum(map(_VERSION, self.tensors if tensors is None else tensors))
 
     def take_fingerprint(self, tensors: list[torch.Tensor] | None = None) -> None:
         """Remember where these tensors' memory is (default: all the module's) and a few of
@@ -142,7 +155,7 @@ class ModuleWatch:
 
     @staticmethod
     def _pointers(tensors: list[torch.Tensor]) -> list[int]:
-        return [t.data_ptr() for t in tensors]
+        return list(map(torch.Tensor.data_ptr, tensors))
 
     @staticmethod
     def _sample_views(tensors: list[torch.Tensor]) -> list[tuple[list[int], list[torch.Tensor]]]:
