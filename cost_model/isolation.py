@@ -61,9 +61,11 @@ def preserved(*state: Any) -> Iterator[None]:
             containers of them (the inputs of the run, which a forward may write in place).
 
     Tensors are restored in place, so graphs and callers holding them keep seeing the same
-    objects; one whose value and version counter did not change is not written at all, so an
-    autograd graph that saved it still accepts it. The RNG of the CPU and of every CUDA device
-    the state is on is restored.
+    objects, and only where the value differs: a tensor the run did not change, or wrote back
+    to the same value, is not written at all. Its version counter then stays where it was, so
+    an autograd graph that saved it still accepts it, and nothing watching the counter (an
+    optimized module sharing the user's weights, ``autoopt.watch``) sees a write that did not
+    happen. The RNG of the CPU and of every CUDA device the state is on is restored.
 
     Example:
         >>> with preserved(model, (x,)):
@@ -106,13 +108,27 @@ def preserved(*state: Any) -> Iterator[None]:
     finally:
         with torch.no_grad():
             for tensor, saved, version in tensors.values():
-                if tensor.shape == saved.shape and (_version(tensor) != version
-                                                    or not _same(tensor, saved)):
-                    tensor.copy_(saved)
+                _restore(tensor, saved, version)
         # Only what changed is put back, so untouched attributes keep their identity.
         for m, key, frozen, value in attributes:
             if key not in m.__dict__ or _freeze(m.__dict__[key]) != frozen:
                 m.__dict__[key] = value
+
+
+def _restore(tensor: torch.Tensor, saved: torch.Tensor, version: int | None) -> None:
+    """Put ``saved`` back into ``tensor`` if, and only if, its value changed.
+
+    Comparing first matters: the buffers autoopt runs through are often the user's own memory
+    (an inference module shares it), and every write bumps a version counter that optimized
+    modules made from the same model watch; a needless write would make them capture again.
+    A change the version counter did not see (a write through ``.data``) is undone the same
+    way, unseen, so the tensor is exactly as it was, counter included."""
+    if tensor.shape != saved.shape or _same(tensor, saved):
+        return
+    if version is not None and _version(tensor) == version:
+        tensor.data.copy_(saved)  # ``.data`` has its own counter: this one stays as it was
+    else:
+        tensor.copy_(saved)
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -126,17 +142,31 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equal (so a NaN equals itself and -0.0 differs from 0.0)."""
     try:
         return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
-    except RuntimeError:  # a layout without a byte view (sparse, say): assume it changed
+    except RuntimeError:  # a layout without a byte view (sparse, quantized)
+        pass
+    try:
+        return bool(torch.equal(a, b))
+    except (RuntimeError, NotImplementedError):  # nothing compares them: assume it changed
         return False
 
 
-def _copy_attribute(value: Any) -> Any:
-    """Containers are copied (a forward may append to them); anything else is kept by reference,
-    which restores re-assigned values (counters, cached tensors)."""
-    if not isinstance(value, (list, dict, set)):
+def _copy_attribute(value: Any, depth: int = 0) -> Any:
+    """Containers are copied, nested ones too (a forward may append to them); what they hold,
+    and anything else, is kept by reference, which restores re-assigned values (counters,
+    cached tensors). Never a deep copy: a graph module's ``meta`` holds graph modules, whose
+    deep copy would clone every weight on each verification run."""
+    if depth > 4 or not isinstance(value, (list, dict, set)):
         return value
     try:
-        return copy.deepcopy(value)
+        if isinstance(value, dict):
+            copied = copy.copy(value)  # the same type (an OrderedDict, a defaultdict)
+            for key, item in value.items():
+                copied[key] = _copy_attribute(item, depth + 1)
+            return copied
+        if isinstance(value, list):
+            return type(value)(_copy_attribute(item, depth + 1) for item in value) \
+                if type(value) is list else copy.copy(value)
+        return copy.copy(value)
     except Exception:  # noqa: BLE001 - an uncopyable container is restored by reference
         return value
 
