@@ -4,6 +4,7 @@ inputs and on fresh random inputs of the same shapes and dtypes, within each dty
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping
@@ -57,6 +58,9 @@ class VerifyResult:
         max_rel_error: largest ``|a - b| / max(|b|, tiny)`` seen, for the report.
         inputs_checked: how many input sets were compared (example + random).
         detail: for a failure, where it was (``output[0]['logits']``) and by how much.
+        note: what the comparison could not cover, such as random input sets discarded
+            because eager itself rejected them (``random input sets discarded: eager raised
+            IndexError on them``).
     """
 
     ok: bool
@@ -64,12 +68,14 @@ class VerifyResult:
     max_rel_error: float = 0.0
     inputs_checked: int = 0
     detail: str = ""
+    note: str = ""
 
     def __str__(self) -> str:
+        note = f" ({self.note})" if self.note else ""
         if self.ok:
             return (f"matched on {self.inputs_checked} input set(s), max abs error "
-                    f"{self.max_abs_error:.3g}")
-        return f"MISMATCH: {self.detail}"
+                    f"{self.max_abs_error:.3g}{note}")
+        return f"MISMATCH: {self.detail}{note}"
 
 
 def compare(expected: Any, actual: Any, tolerances: Mapping[torch.dtype, Tolerance] | None = None,
@@ -239,8 +245,13 @@ def fresh_like(value: Any, generator: torch.Generator) -> Any:
         return out.requires_grad_(value.requires_grad)
     if value.is_complex():
         return value.clone()
+    # Within the example's observed [min, max], both ends included (randint's end is
+    # exclusive): an index table the example fits, the fresh values fit too.
     low, high = int(value.min()), int(value.max())
-    out = torch.randint(low, high + 1, value.shape, generator=generator, dtype=torch.int64)
+    if high < torch.iinfo(torch.int64).max:
+        out = torch.randint(low, high + 1, value.shape, generator=generator, dtype=torch.int64)
+    else:  # high + 1 does not fit: leave out the one top value rather than overflow
+        out = torch.randint(low, high, value.shape, generator=generator, dtype=torch.int64)
     return out.to(dtype=value.dtype, device=value.device)
 
 
@@ -248,30 +259,161 @@ def fresh_like(value: Any, generator: torch.Generator) -> Any:
 VERIFY_SEED = 20_241_130
 
 
+# Replacement draws per random input set on which eager itself raised or went non-finite.
+_REDRAWS = 3
+
+
+class InputSets(list):
+    """The example input set followed by random ones, as ``input_sets`` makes them; it can draw
+    more of the same kind (``check_all`` replaces a random set eager rejects) and remembers
+    what was discarded, so every comparison on the same object sees the same sets."""
+
+    def __init__(self, sets: list[tuple[tuple[Any, ...], dict[str, Any]]],
+                 draw: Callable[[], tuple[tuple[Any, ...], dict[str, Any]]] | None = None,
+                 ) -> None:
+        super().__init__(sets)
+        self.draw = draw
+        self.redraws_left = _REDRAWS * max(len(sets) - 1, 0)
+        # Sets taken out, kept alive: callers memoize eager's results by the sets' ids.
+        self.discarded: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        self.reasons: dict[str, int] = {}  # why, counted
+
+    def note(self) -> str:
+        if not self.reasons:
+            return ""
+        why = "; ".join(f"{reason} ({n})" if n > 1 else reason
+                        for reason, n in self.reasons.items())
+        kept = f"verified on {len(self)} set(s)" + (" (the example alone)" if len(self) == 1
+                                                   else "")
+        return f"random input sets discarded: {why}; {kept}"
+
+
 def input_sets(args: tuple[Any, ...], kwargs: Mapping[str, Any], n_random: int,
-               seed: int = VERIFY_SEED) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
-    """The example inputs followed by ``n_random`` fresh sets of the same shapes and dtypes."""
+               seed: int = VERIFY_SEED) -> InputSets:
+    """The example inputs followed by ``n_random`` fresh sets of the same shapes and dtypes.
+
+    The result can draw further sets from the same generator: ``check_all`` replaces a fresh
+    set on which eager raises (an index out of range) or gives non-finite values where the
+    example did not; such a set says nothing about the optimized version."""
     generator = torch.Generator().manual_seed(seed)
-    sets = [(tuple(args), dict(kwargs))]
-    for _ in range(n_random):
-        sets.append((tuple(fresh_like(a, generator) for a in args),
-                     {k: fresh_like(v, generator) for k, v in kwargs.items()}))
-    return sets
+    args, kwargs = tuple(args), dict(kwargs)
+
+    def draw() -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return (tuple(fresh_like(a, generator) for a in args),
+                {k: fresh_like(v, generator) for k, v in kwargs.items()})
+
+    return InputSets([(args, kwargs)] + [draw() for _ in range(n_random)], draw)
+
+
+class ReferenceFailed(Exception):
+    """Eager, the reference of a comparison, raised on an input set (the original exception
+    is the ``__cause__``). ``check_all`` discards a random set on which this happens."""
+
+
+@contextlib.contextmanager
+def reference_run() -> Iterator[None]:
+    """Wrap the reference (eager) half of a ``check_all`` ``run_pair``: an exception raised
+    inside becomes ``ReferenceFailed``, so that ``check_all`` can tell eager rejecting a random
+    input set (discarded) from the optimized version raising (a failed comparison)."""
+    try:
+        yield
+    except Exception as exc:
+        if _autoopt_error(exc) is not None:
+            raise
+        raise ReferenceFailed(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _autoopt_error(exc: BaseException) -> BaseException | None:
+    """autoopt's own error (a ``ConfigError``) inside ``exc``, which must reach the user: such
+    errors are raised on purpose, and Dynamo wraps them (``BackendCompilerFailed``)."""
+    from .errors import AutoOptError
+
+    current: BaseException | None = exc
+    for _ in range(8):
+        if current is None:
+            return None
+        if isinstance(current, AutoOptError):
+            return current
+        current = getattr(current, "inner_exception", None) or current.__cause__
+    return None
+
+
+def _finite_leaves(value: Any) -> set[str]:
+    """The paths of the floating tensors in ``value`` with only finite elements."""
+    return {path for path, leaf in _leaves(value, "output") if isinstance(leaf, torch.Tensor)
+            and leaf.is_floating_point() and bool(torch.isfinite(leaf.detach()).all())}
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0][:200] if lines else ""
 
 
 def check_all(run_pair: Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, Any]],
               sets: list[tuple[tuple[Any, ...], dict[str, Any]]],
               tolerances: Mapping[torch.dtype, Tolerance] | None = None) -> VerifyResult:
-    """Run ``run_pair(args, kwargs) -> (expected, actual)`` on every input set and compare."""
+    """Run ``run_pair(args, kwargs) -> (expected, actual)`` on every input set and compare.
+
+    ``sets[0]`` is the example. A later (random) set on which eager raises (``run_pair`` ran
+    it under ``reference_run``) or gives non-finite values where the example's were finite is
+    taken out of ``sets`` and, for ``input_sets``' result, replaced by a fresh draw (a few
+    tries); the result's ``note`` says what was discarded, and with no usable random set left
+    the example alone is compared. An exception of the optimized version (anything else
+    ``run_pair`` raises) is a failed comparison, not an error: the caller rolls back.
+    """
     max_abs = max_rel = 0.0
-    for i, (args, kwargs) in enumerate(sets):
-        expected, actual = run_pair(args, kwargs)
+    finite: set[str] | None = None
+    redraw = sets.draw if isinstance(sets, InputSets) else None
+    reasons: dict[str, int] = sets.reasons if isinstance(sets, InputSets) else {}
+
+    def discard(i: int, reason: str) -> None:
+        reasons[reason] = reasons.get(reason, 0) + 1
+        removed = sets[i]
+        if isinstance(sets, InputSets):
+            sets.discarded.append(removed)
+            if redraw is not None and sets.redraws_left > 0:
+                sets.redraws_left -= 1
+                sets[i] = redraw()
+                return
+        del sets[i]
+
+    def note() -> str:
+        if isinstance(sets, InputSets):
+            return sets.note()
+        if not reasons:
+            return ""
+        return "random input sets discarded: " + "; ".join(reasons)
+
+    i = 0
+    while i < len(sets):
+        args, kwargs = sets[i]
+        which = "example inputs" if i == 0 else f"random input set {i}"
+        try:
+            expected, actual = run_pair(args, kwargs)
+        except ReferenceFailed as exc:
+            cause = exc.__cause__ if exc.__cause__ is not None else exc
+            if i == 0:
+                raise cause from None  # eager rejects the user's own example: not ours to hide
+            discard(i, f"eager raised {type(cause).__name__} on them")
+            continue
+        except Exception as exc:  # noqa: BLE001 - the optimized version raising is a mismatch
+            if _autoopt_error(exc) is not None:
+                raise
+            return VerifyResult(False, max_abs, max_rel, i + 1,
+                                f"on the {which}: the optimized version raised "
+                                f"{type(exc).__name__}: {_first_line(exc)}", note())
+        if i == 0:
+            finite = _finite_leaves(expected)
+        elif finite and not finite <= _finite_leaves(expected):
+            discard(i, "eager gave non-finite values on them where the example gave finite ones")
+            continue
         result = compare(expected, actual, tolerances)
         max_abs, max_rel = max(max_abs, result.max_abs_error), max(max_rel, result.max_rel_error)
         if not result.ok:
-            which = "example inputs" if i == 0 else f"random input set {i}"
-            return VerifyResult(False, max_abs, max_rel, i + 1, f"on the {which}: {result.detail}")
-    return VerifyResult(True, max_abs, max_rel, len(sets))
+            return VerifyResult(False, max_abs, max_rel, i + 1, f"on the {which}: {result.detail}",
+                                note())
+        i += 1
+    return VerifyResult(True, max_abs, max_rel, len(sets), note=note())
 
 
 def clone_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any],
