@@ -31,11 +31,15 @@ from .cost_model.isolation import _MODULE_INTERNALS
 # ``register_buffer``, ``load_state_dict(assign=True)``) are counted on its watch.
 # ``torch.func.functional_call`` swaps tensors into the slots without assigning, for one call:
 # a replaced slot with no assignment since the snapshot is such a temporary swap.
-_owners: weakref.WeakKeyDictionary[nn.Module, ModuleWatch] = weakref.WeakKeyDictionary()
+# Both sides weak: a watch holds its module, so a strong value would keep the key alive and
+# every optimized module (its graphs, its copies of the weights) for the life of the process.
+_owners: weakref.WeakKeyDictionary[nn.Module, weakref.ref[ModuleWatch]] = \
+    weakref.WeakKeyDictionary()
 
 
 def _count_assignment(module: nn.Module, name: str, value: Any) -> None:
-    watch = _owners.get(module)
+    ref = _owners.get(module)
+    watch = ref() if ref is not None else None
     if watch is not None:
         watch.assignments += 1
 
@@ -91,7 +95,7 @@ class ModuleWatch:
 
     def _register(self) -> None:
         for m in self.module.modules():
-            _owners[m] = self
+            _owners[m] = weakref.ref(self)
         self._registered = True
 
     def __getstate__(self) -> dict[str, Any]:

@@ -8,7 +8,9 @@ choice's logic pin the measurement instead.
 from __future__ import annotations
 
 import copy
+import gc
 import threading
+import weakref
 from typing import Any
 
 import pytest
@@ -330,3 +332,22 @@ def test_measuring_failure_keeps_a_verified_candidate(monkeypatch: pytest.Monkey
         gradients=False)
     assert (run, choice.chosen) == ("a", "aten")
     assert "timer crashed" in choice.skipped["inductor"]
+
+
+@pytest.mark.parametrize("backends", [("aten",), ("inductor",), ("onnxruntime",)])
+def test_a_dropped_module_frees_its_graphs_and_generated_code(backends: tuple[str, ...]) -> None:
+    # Inductor keeps every module it loads in process-wide lists, and with freezing those hold
+    # the frozen weights; an optimized module must not outlive its last reference either.
+    from torch._inductor.codecache import PyCodeCache
+
+    model, args, kwargs = cnn()
+    loaded = len(PyCodeCache.modules)
+    with torch.no_grad():
+        fast = autoopt.optimize(model, args, kwargs, backends=backends)
+        fast(*args)
+    alive = weakref.ref(fast)
+    run = weakref.ref(fast.specializations[0].graph)
+    del fast
+    gc.collect()
+    assert alive() is None and run() is None
+    assert len(PyCodeCache.modules) == loaded

@@ -10,6 +10,8 @@ through AOTAutograd, which partitions the joint forward/backward graph and compi
 
 from __future__ import annotations
 
+import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,15 +21,52 @@ from torch.fx import GraphModule
 from ..driver import copy_graph_module
 
 
-def lower(gm: GraphModule, *, dynamic: bool, gradients: bool) -> Callable[..., Any]:
+class InductorGraph:
+    """A graph compiled by Inductor (on its first call), whose generated code is forgotten
+    when this object is: Inductor keeps every module it loads in process-wide lists
+    (``PyCodeCache``, ``sys.modules``), and with ``freezing`` those modules hold the frozen
+    weights, so a candidate that lost, or a graph dropped after a weight write, would pin a
+    copy of the weights for the life of the process."""
+
+    def __init__(self, compiled: Callable[..., Any]) -> None:
+        self._compiled = compiled
+        self._loaded: list[Any] = []
+        weakref.finalize(self, _forget, self._loaded)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._loaded:
+            return self._compiled(*args, **kwargs)
+        from torch._inductor.codecache import PyCodeCache
+
+        before = len(PyCodeCache.modules)
+        try:
+            return self._compiled(*args, **kwargs)
+        finally:  # compiled now (or a recompile for new sizes): what it loaded is ours
+            self._loaded.extend(PyCodeCache.modules[before:])
+
+
+def _forget(modules: list[Any]) -> None:
+    try:
+        from torch._inductor.codecache import PyCodeCache
+    except Exception:  # noqa: BLE001 - interpreter shutdown
+        return
+    ids = {id(m) for m in modules}
+    PyCodeCache.modules[:] = [m for m in PyCodeCache.modules if id(m) not in ids]
+    for cache in (PyCodeCache.modules_no_attr, sys.modules):
+        for key in [k for k, m in list(cache.items()) if id(m) in ids]:
+            cache.pop(key, None)
+    modules.clear()
+
+
+def lower(gm: GraphModule, *, dynamic: bool, gradients: bool) -> InductorGraph:
     """``gm`` compiled by Inductor; compilation happens on the first call.
 
     A private copy of the graph module is compiled, so that dropping the result (a candidate
-    that lost) also drops what Dynamo cached for it, frozen weights included.
+    that lost) also drops what Dynamo cached for it.
     """
     graph = copy_graph_module(gm)
-    return torch.compile(graph, backend="inductor", fullgraph=True, dynamic=dynamic,
-                         options={"freezing": not gradients})
+    return InductorGraph(torch.compile(graph, backend="inductor", fullgraph=True,
+                                       dynamic=dynamic, options={"freezing": not gradients}))
 
 
 def available() -> str:
