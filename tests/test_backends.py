@@ -341,13 +341,16 @@ def test_a_dropped_module_frees_its_graphs_and_generated_code(backends: tuple[st
     from torch._inductor.codecache import PyCodeCache
 
     model, args, kwargs = cnn()
-    loaded = len(PyCodeCache.modules)
+    gc.collect()
+    before = {id(m) for m in PyCodeCache.modules}
     with torch.no_grad():
         fast = autoopt.optimize(model, args, kwargs, backends=backends)
         fast(*args)
+    ours = {id(m) for m in PyCodeCache.modules} - before
+    assert bool(ours) == (backends == ("inductor",))
     alive = weakref.ref(fast)
     run = weakref.ref(fast.specializations[0].graph)
     del fast
     gc.collect()
     assert alive() is None and run() is None
-    assert len(PyCodeCache.modules) == loaded
+    assert not ours & {id(m) for m in PyCodeCache.modules}
