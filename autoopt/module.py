@@ -81,7 +81,8 @@ class OptimizedModule(nn.Module):
         # Measures nothing until a pass asks; measurements persist in the on-disk cache.
         self.cost_model = CostModel(model_device(module) or "cpu")
         self._capturer = Capturer(module, config, self.cost_model, self.report,
-                                  dynamic=dynamic, dynamic_shapes=dynamic_shapes)
+                                  dynamic=dynamic, dynamic_shapes=dynamic_shapes,
+                                  on_state_write=self._unshare)
         # What the graphs assume of the module beyond its inputs: which tensors, their
         # values, the Python attributes traced into them.
         self._watch = ModuleWatch(module)

@@ -80,10 +80,16 @@ class Capturer:
         cost_model: what the passes measure with.
         report: where each capture is recorded.
         dynamic, dynamic_shapes: dimensions to keep symbolic (``torch.export``'s terms).
+        on_state_write: called when the eager probe of a capture writes the module's
+            parameters or buffers in place (a forward that counts its calls in a buffer),
+            before anything else runs the model: the owner then stops sharing memory with
+            the user's model, which the calls would otherwise write.
     """
 
     def __init__(self, module: nn.Module, config: OptimizeConfig, cost_model: CostModel,
-                 report: Report, *, dynamic: bool = False, dynamic_shapes: Any = None) -> None:
+                 report: Report, *, dynamic: bool = False, dynamic_shapes: Any = None,
+                 on_state_write: Callable[[], None] | None = None) -> None:
+        self._on_state_write = on_state_write
         self.module = module
         self._config = config
         self.cost_model = cost_model
@@ -140,6 +146,9 @@ class Capturer:
                              "only once at capture time")
         with preserved(self.module):
             before = python_state(self.module)
+            tensors = [t for t in (*self.module.parameters(), *self.module.buffers())
+                       if not t.is_inference()]
+            versions = [t._version for t in tensors]
             try:
                 probe_args, probe_kwargs = clone_inputs(args, kwargs)
                 out = self.module(*probe_args, **probe_kwargs)
@@ -147,6 +156,7 @@ class Capturer:
                 raise ModelError(f"the model raised {type(exc).__name__} when run eagerly on "
                                  f"the example inputs: {exc}. Check the inputs' number, shapes "
                                  f"and dtypes against the model's forward.") from exc
+            written = any(t._version != v for t, v in zip(tensors, versions, strict=True))
             changed = sorted(f"{p + '.' if p else ''}{k}" for (p, k), v in
                              python_state(self.module).items() if before.get((p, k)) != v)
             if changed:
@@ -154,6 +164,8 @@ class Capturer:
             if torch.is_grad_enabled() and uses_custom_autograd(out):
                 obstacles.append("the model uses a custom autograd.Function, whose backward "
                                  "a traced graph would drop")
+        if written and self._on_state_write is not None:
+            self._on_state_write()  # after the probe's writes were put back
         return obstacles
 
     # --- capture methods, tried in config.capture order -----------------------------------

@@ -363,3 +363,27 @@ def test_statistics_a_train_mode_call_writes_reach_an_eval_graph() -> None:
         m.eval()
     with torch.no_grad():
         torch.testing.assert_close(fast(x), reference(x))
+
+
+def test_a_forward_that_writes_its_buffers_never_writes_the_users_model() -> None:
+    # An inference module shares the user's weight memory until something would write it;
+    # a forward that counts its calls in a buffer writes it on every call.
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls.add_(1)
+            return self.linear(x) * self.calls
+
+    model = Counting().eval()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 4)
+    fast = autoopt.optimize(model, (x,))
+    for _ in range(3):
+        with torch.no_grad():
+            torch.testing.assert_close(fast(x), reference(x))
+    assert model.calls.item() == 0 and fast.module.calls.item() == 3
+    assert torch.equal(model.linear.weight, reference.linear.weight)
