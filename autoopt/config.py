@@ -145,7 +145,10 @@ class OptimizeConfig:
 
     @property
     def candidate_backends(self) -> tuple[str, ...]:
-        """The backends to choose from, in order of preference on a tie."""
+        """The backends to choose from, in order of preference on a tie (pipeline stages,
+        ``devices=``, run the aten graph)."""
+        if self.devices is not None:
+            return ("aten",)
         if self.backend is not None:
             return (self.backend,)
         if self.backends is not None:
@@ -217,6 +220,11 @@ def _check_backends(config: OptimizeConfig) -> None:
         if not config.backends:
             raise ConfigError(f"backends is empty; name at least one of {BACKENDS}")
     _parse_backends(os.environ.get(BACKENDS_VARIABLE, ""), BACKENDS_VARIABLE)
+    asked = (config.backend,) if config.backend is not None else config.backends or ()
+    if config.devices is not None and set(asked) - {"aten"}:
+        raise ConfigError(f"devices= runs each pipeline stage on aten (the graph's own "
+                          f"kernels); backend(s) {sorted(set(asked) - {'aten'})} cannot "
+                          f"execute stages. Drop backend=/backends= or pass backends=('aten',).")
 
 
 def _parse_backends(text: str, where: str) -> tuple[str, ...]:

@@ -310,6 +310,9 @@ def test_backend_options_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         autoopt.optimize(model, args, kwargs, backend="aten", backends=("aten",))
     with pytest.raises(ConfigError, match="unknown backend"):
         autoopt.optimize(model, args, kwargs, backends=("aten", "xla"))
+    with pytest.raises(ConfigError, match="pipeline stage on aten"):
+        autoopt.optimize(model, args, kwargs, devices=["cpu", "cpu"], backend="inductor")
+    assert autoopt.OptimizeConfig(devices=("cpu",)).candidate_backends == ("aten",)
     monkeypatch.setenv("AUTOOPT_BACKENDS", "aten,tensorrt")
     with pytest.raises(ConfigError, match="AUTOOPT_BACKENDS"):
         autoopt.optimize(model, args, kwargs)
