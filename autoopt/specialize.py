@@ -131,11 +131,16 @@ class Capturer:
             self.report.warnings.append(
                 "no capture method could take the model; it runs eagerly (see attempts)")
         record.seconds = time.perf_counter() - start
-        if (self._config.memory_budget is not None and torch.is_grad_enabled()
-                and record.memory_plan is None):
-            self.report.warnings.append(
-                f"memory_budget: captured by {record.method}, not as one whole graph, so no "
-                f"memory plan applies; saved activations are eager's")
+        if (self._config.memory_budget is not None and record.memory_plan is None
+                and record.method in ("dynamo", "eager")
+                and needs_gradients(args, kwargs, current_modes(self.module))):
+            # The user asked for the budget: a module that ignores it is not an answer.
+            attempts = "; ".join(f"{m}: {why}" for m, why in record.attempts) or "none"
+            raise ConfigError(
+                f"memory_budget: the model was captured by {record.method}, not as one whole "
+                f"graph, so no memory plan applies (saved activations would be eager's). Why "
+                f"no whole graph: {attempts}. Make the model exportable (torch.export), or "
+                f"drop memory_budget to train it as captured.")
         return spec
 
     def _probe(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:

@@ -207,12 +207,16 @@ def test_budget_without_training_is_a_config_error() -> None:
         autoopt.optimize(model, (torch.randn(2, 4),), memory_budget="1MiB")
 
 
-def test_budget_on_a_partial_capture_is_reported() -> None:
+def test_budget_on_a_partial_capture_raises() -> None:
+    # A budget the module would ignore is an error, not a warning (no feature silently
+    # dropped); the message names the capture method and why no whole graph was taken.
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).train()
     model[1].register_forward_hook(lambda m, i, o: None)  # only Dynamo keeps hooks
-    fast = autoopt.optimize(model, (torch.randn(3, 4),), training=True, memory_budget="1MiB")
-    assert fast.report.captures[0].memory_plan is None
-    assert any("no memory plan applies" in w for w in fast.report.warnings)
+    with pytest.raises(autoopt.ConfigError, match=r"captured by dynamo.*no memory plan "
+                                                 r"applies.*hooks"):
+        autoopt.optimize(model, (torch.randn(3, 4),), training=True, memory_budget="1MiB")
+    fast = autoopt.optimize(model, (torch.randn(3, 4),), training=True)  # without: trains
+    assert fast.report.capture_method == "dynamo"
 
 
 def test_report_shows_the_plan() -> None:
