@@ -357,3 +357,32 @@ def test_a_dropped_module_frees_its_graphs_and_generated_code(backends: tuple[st
     gc.collect()
     assert alive() is None and run() is None
     assert not ours & {id(m) for m in PyCodeCache.modules}
+
+
+def test_dynamo_subgraphs_with_gradients_measure_inductor_without_breaking_the_compile(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    # Timing a candidate's backward inside Dynamo's compilation of the frame made AOTAutograd
+    # compile Inductor's backward nested in it, and Dynamo then failed the whole frame.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # measured here, not read from a cache
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.tanh(self.a(x))
+            if y.sum() > 0:
+                y = y * 2
+            return self.b(y)
+
+    model, x = Branchy().train(), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    fast = autoopt.optimize(model, (x,), training=True, backends=("aten", "inductor"))
+    assert fast.report.capture_method == "dynamo"
+    assert all(c.seconds for c in fast.report.backends)  # both candidates were timed
+    expected, expected_grads = _train_step(reference, (x,), {})
+    actual, grads = _train_step(fast, (x,), {})
+    torch.testing.assert_close(actual, expected)
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)

@@ -51,20 +51,15 @@ def lower_subgraph(optimized: GraphModule, example_inputs: Sequence[Any], inputs
                              "in between; it is lowered by aten or inductor")
 
     def timer(run: Callable[..., Any]) -> Callable[[], Any]:
+        # The forward alone, with gradients recorded where they flow: this runs inside
+        # Dynamo's compilation of the frame, and a backward here would make AOTAutograd
+        # compile Inductor's backward graph nested in it, which Dynamo's bookkeeping refuses
+        # (the frame's compile then fails). Verification of the whole module, after Dynamo is
+        # done, runs the backward and compares the gradients.
         private = [x.detach().clone().requires_grad_(x.requires_grad)
                    if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
                    else x for x in inputs]
-        wrt = [x for x in private if isinstance(x, torch.Tensor) and x.requires_grad]
-
-        def step() -> None:
-            out = run(*private)
-            if gradients and wrt:
-                outs = [x for x in torch.utils._pytree.tree_leaves(out)
-                        if isinstance(x, torch.Tensor) and x.requires_grad]
-                if outs:
-                    torch.autograd.grad(outs, wrt, [torch.ones_like(x) for x in outs],
-                                        allow_unused=True)
-        return step
+        return lambda: run(*private)
 
     what = identity(optimized, portable(optimized), tuple(inputs), {}, gradients, False)
     return choose_backend(label, lowerings, skipped, verify=verify, timer=timer,

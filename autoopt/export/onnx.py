@@ -41,7 +41,7 @@ from torch.utils import _pytree as pytree
 from .. import precision_target as precision_lib
 from ..driver import portable
 from ..errors import AutoOptError, ConfigError, ModelError, ModelSpecError, require
-from ..verify import Tolerance, VerifyResult, _leaves, check_all, input_sets
+from ..verify import Tolerance, VerifyResult, _leaves, check_all, input_sets, reference_run
 from .onnx_io import (
     check_dims_apply,
     check_dynamic,
@@ -363,7 +363,7 @@ def _verify(report: OnnxReport, session: OnnxSession, eager: nn.Module, args: tu
             random_inputs: int, tolerances: Mapping[torch.dtype, Tolerance] | None) -> None:
     """Fill ``report.verification`` (and ``dynamic_verification``) from eager vs ORT runs."""
     def run_pair(a: tuple[Any, ...], k: dict[str, Any]) -> tuple[Any, Any]:
-        with torch.no_grad():
+        with torch.no_grad(), reference_run():  # eager rejecting a random set discards it
             expected = eager(*a, **k)
         tensors = [leaf for _, leaf in _leaves(expected, "output")
                    if isinstance(leaf, torch.Tensor)]
