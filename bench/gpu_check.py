@@ -75,7 +75,7 @@ def main() -> int:
         ("pipeline", pipeline_rows, 20),
         ("inference benchmark", lambda: bench_table(args.out, "inference", [
             "--device", "cuda", "--models", "resnet50,bert-base", "--batches", "8",
-            "--rounds", "10"], 180), 60),
+            "--rounds", "10"], 300), 90),
         ("cost model accuracy", lambda: bench_table(args.out, "cost_model_accuracy", [
             "--device", "cuda", "--models", "resnet50,bert-base", "--rounds", "3"], 120), 40),
     ]

@@ -386,3 +386,30 @@ def test_dynamo_subgraphs_with_gradients_measure_inductor_without_breaking_the_c
     torch.testing.assert_close(actual, expected)
     for g, e in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("training", [False, True])
+def test_backends_on_a_gpu(training: bool) -> None:
+    # Inductor generates Triton kernels here; ONNX Runtime runs where onnxruntime-gpu is
+    # installed (otherwise skipped with the reason), tensors bound on the device.
+    model, args, kwargs = cnn()
+    model = model.cuda().train(training)
+    args = (args[0].cuda(),)
+    reference = copy.deepcopy(model)
+    fast = autoopt.optimize(model, args, kwargs, training=training,
+                            backends=("aten", "inductor", "onnxruntime"))
+    (choice,) = fast.report.backends
+    assert "inductor" in choice.seconds, choice.describe()
+    if training:
+        assert "inference only" in choice.skipped["onnxruntime"]
+        expected, expected_grads = _train_step(reference, args, kwargs)
+        actual, grads = _train_step(fast, args, kwargs)
+        torch.testing.assert_close(actual, expected, rtol=1e-3, atol=1e-3)
+        for g, e in zip(grads, expected_grads, strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-2, atol=1e-3)
+    else:
+        assert "onnxruntime" in choice.seconds or "provider" in choice.skipped.get(
+            "onnxruntime", "provider")
+        with torch.no_grad():
+            torch.testing.assert_close(fast(*args), reference(*args), rtol=1e-3, atol=1e-3)
