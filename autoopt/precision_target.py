@@ -80,10 +80,15 @@ def notes_after(cfg: OptimizeConfig, report: Report) -> list[str]:
            if r.name == "precision" and r.reason}
     methods = {c.method for c in report.captures}
     if methods - {"export"}:
-        reason = (f"the model was captured by {sorted(methods)}, and the precision pass works "
-                  f"on torch.export graphs only; make the model exportable (for transformers, "
-                  f"use_cache=False often suffices)")
-    elif why:
+        # The capture, not a measurement, kept the model in fp32: a module that ignored the
+        # request is not an answer to it.
+        attempts = "; ".join(f"{m}: {w}" for c in report.captures for m, w in c.attempts)
+        raise ConfigError(f"precision='{cfg.precision}' cannot apply: the model was captured by "
+                          f"{sorted(methods)}, and the precision pass works on torch.export "
+                          f"graphs only (why not export: {attempts or 'not tried'}). Make the "
+                          f"model exportable (for transformers, use_cache=False often "
+                          f"suffices), or drop precision=.")
+    if why:
         reason = "; ".join(sorted(why))
     else:
         reason = (f"no compute-heavy op could run in {cfg.precision} within the tolerance "

@@ -290,3 +290,26 @@ def test_a_generator_shorter_than_the_steps_says_it_cannot_start_again() -> None
     batches = (torch.randn(1, 16) for _ in range(3))
     with pytest.raises(InputError, match="yielded 3 batch\\(es\\), then none on its next pass"):
         autoopt.diagnose(model, batches, steps=5, roofline=False)
+
+
+def test_apply_runs_without_a_remedy_optimize_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A remedy that cannot apply to this model (precision on a model only Dynamo captures)
+    makes optimize raise; apply notes it and measures without it instead of failing."""
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.linear(x)
+            return y * 2 if y.sum() > 0 else y  # data-dependent: no whole graph
+
+    model, x = Branchy().eval(), torch.randn(4, 16)
+    diagnosis = autoopt.diagnose(model, x, steps=3, roofline=False)
+    bf16 = Remedy("precision", "optimize(..., precision='bf16')", {"precision": "bf16"})
+    monkeypatch.setattr(type(diagnosis), "remedies", lambda self: [bf16])
+    result = diagnosis.apply()
+    assert "precision" not in result.applied, str(result)
+    assert any("precision='bf16': not applied" in n and "cannot apply" in n
+               for n in result.notes), result.notes

@@ -95,7 +95,17 @@ class Diagnosis:
                 notes.append(f"{remedy.option}: not available in this autoopt build")
         remedies = sorted(set(kwargs) - set(options))
         kwargs.update(options)
-        fast, after, use_prefetch = self._run_optimized(kwargs, steps, progress)
+        try:
+            fast, after, use_prefetch = self._run_optimized(kwargs, steps, progress)
+        except ConfigError as exc:
+            if not remedies:
+                raise  # the user's own options
+            # A remedy that cannot apply to this model (a memory budget or a precision on a
+            # model only Dynamo captures) raises rather than being ignored: run without it.
+            notes.append(f"{', '.join(f'{k}={kwargs[k]!r}' for k in remedies)}: not "
+                         f"applied: {exc}")
+            remedies = []
+            fast, after, use_prefetch = self._run_optimized(dict(options), steps, progress)
         if remedies and after.step.total_s > self.step.total_s:
             # A remedy named from evidence can still lose here (casts around kept-fp32 ops
             # outweighing faster matmuls, say): measure without the options it added, and
