@@ -90,6 +90,7 @@ class Capturer:
                  report: Report, *, dynamic: bool = False, dynamic_shapes: Any = None,
                  on_state_write: Callable[[], None] | None = None) -> None:
         self._on_state_write = on_state_write
+        self._reference: dict[Any, Any] = {}
         self.module = module
         self._config = config
         self.cost_model = cost_model
@@ -131,6 +132,7 @@ class Capturer:
             self.report.warnings.append(
                 "no capture method could take the model; it runs eagerly (see attempts)")
         record.seconds = time.perf_counter() - start
+        self._reference = {}  # eager's outputs and the random input sets: not kept
         if (self._config.memory_budget is not None and record.memory_plan is None
                 and record.method in ("dynamo", "eager")
                 and needs_gradients(args, kwargs, current_modes(self.module))):
@@ -197,8 +199,8 @@ class Capturer:
         run, choice = lower_whole_graph(
             gm, aten, self.module, args, kwargs, config=self._config,
             cost_model=self.cost_model,
-            verify=(lambda c: self._verify(c, args, kwargs, gm)) if self._config.verify
-            else None,
+            verify=(lambda c: self._verify(c, args, kwargs, gm, self._reference))
+            if self._config.verify else None,
             adapt=adapt, gradients=gradients,
             dynamic=self._dynamic or self._dynamic_shapes is not None,
             memory_plan=record.memory_plan is not None,
@@ -282,6 +284,9 @@ class Capturer:
         record.method = method
         verdicts: dict[int, tuple[GraphModule, VerifyResult]] = {}
         reference: dict[Any, Any] = {}
+        # Eager's results per input set, memoized for this capture: the backend candidates
+        # are verified against the same runs (a BERT-base at batch 8: 1.7 s per eager run).
+        self._reference = reference
 
         def check(candidate: GraphModule) -> VerifyResult:
             # The driver's final check and ours see the same module: verify it once.
