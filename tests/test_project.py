@@ -158,3 +158,15 @@ def test_readme_layout_table_lists_every_folder() -> None:
                if (p / "__init__.py").exists()}
     folders |= {"autoopt/", "passes/", "cost_model/", "tests/", "bench/", "docs/"}
     assert folders <= table, sorted(folders - table)
+
+
+def test_every_subpackage_is_listed_for_installation() -> None:
+    # pyproject lists the packages explicitly (three top-level folders make one namespace);
+    # an editable install finds an unlisted subpackage anyway, `pip install .` does not.
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {".".join(("autoopt", *init.parent.relative_to(ROOT / "autoopt").parts))
+             for init in (ROOT / "autoopt").rglob("__init__.py")}
+    assert found - listed == set(), f"add to pyproject's packages: {sorted(found - listed)}"
