@@ -390,7 +390,6 @@ class Capturer:
         return check_all(run_pair, reference["sets"], self._config.verification_tolerances)
 
 
-
 class _Mismatch(Exception):
     """A capture produced a graph that is not the model's function; try the next method."""
 
@@ -411,24 +410,3 @@ def _reason(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     first = text[0][:240] if text else ""
     return f"{type(exc).__name__}: {first}" if not isinstance(exc, _Mismatch) else first
-
-
-
-def _config_error(exc: BaseException) -> ConfigError | None:
-    """The ConfigError Dynamo wrapped (``BackendCompilerFailed``), if one is inside ``exc``."""
-    seen = 0
-    current: BaseException | None = exc
-    while current is not None and seen < 8:
-        if isinstance(current, ConfigError):
-            return current
-        current = getattr(current, "inner_exception", None) or current.__cause__
-        seen += 1
-    return None
-
-
-def _reason(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    first = text[0][:240] if text else ""
-    return f"{type(exc).__name__}: {first}" if not isinstance(exc, _Mismatch) else first
-
-
