@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .backends import BACKENDS, BACKENDS_VARIABLE
+from .backends import BACKENDS, BACKENDS_VARIABLE, INDUCTOR_OPTIONS
 from .errors import ConfigError
 from .memory import parse_budget, parse_modes
 from .passes import PIPELINE, PassFn
@@ -49,6 +49,8 @@ class OptimizeConfig:
         backends: the backends to measure and choose from per graph; one that cannot lower
             a graph is skipped with its reason in the report. None: all of ``BACKENDS``, or
             those the ``AUTOOPT_BACKENDS`` environment variable lists (comma-separated).
+        backend_options: per-backend settings; today ``{"inductor": {"mode":
+            "max-autotune", "options": {...}}}`` (torch.compile's mode, Inductor's config).
     """
 
     disable: tuple[str, ...] = ()
@@ -74,6 +76,7 @@ class OptimizeConfig:
     cuda_graphs: bool = True
     backend: str | None = None
     backends: tuple[str, ...] | None = None
+    backend_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "disable", tuple(self.disable))
@@ -220,6 +223,13 @@ def _check_backends(config: OptimizeConfig) -> None:
         if not config.backends:
             raise ConfigError(f"backends is empty; name at least one of {BACKENDS}")
     _parse_backends(os.environ.get(BACKENDS_VARIABLE, ""), BACKENDS_VARIABLE)
+    settable = {"inductor": INDUCTOR_OPTIONS}
+    for name, settings in dict(config.backend_options).items():
+        if name not in settable or not isinstance(settings, Mapping) or set(settings) - set(
+                settable[name]):
+            raise ConfigError(f"backend_options={dict(config.backend_options)!r}: settable are "
+                              f"{ {k: list(v) for k, v in settable.items()} } (e.g. "
+                              f"backend_options={{'inductor': {{'mode': 'max-autotune'}}}})")
     asked = (config.backend,) if config.backend is not None else config.backends or ()
     if config.devices is not None and set(asked) - {"aten"}:
         raise ConfigError(f"devices= runs each pipeline stage on aten (the graph's own "

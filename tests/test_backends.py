@@ -413,3 +413,27 @@ def test_backends_on_a_gpu(training: bool) -> None:
             "onnxruntime", "provider")
         with torch.no_grad():
             torch.testing.assert_close(fast(*args), reference(*args), rtol=1e-3, atol=1e-3)
+
+
+def test_inductor_settings_reach_the_compile_and_key_the_cache(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[dict[str, Any]] = []
+    real = torch.compile
+
+    def spy(model: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs)
+        return real(model, backend="inductor", fullgraph=True, dynamic=kwargs["dynamic"],
+                    options={"freezing": True})  # compiled as usual: no autotuning here
+
+    monkeypatch.setattr(torch, "compile", spy)
+    model, args, kwargs = cnn()
+    fast = autoopt.optimize(model, args, kwargs, backend="inductor", backend_options={
+        "inductor": {"mode": "max-autotune", "options": {"coordinate_descent_tuning": False}}})
+    options = seen[-1]["options"]
+    assert options["max_autotune"] is True and options["freezing"] is True
+    assert options["coordinate_descent_tuning"] is False  # the user's option wins
+    assert "triton.cudagraphs" not in options  # replays would reuse held outputs' memory
+    assert fast.specializations[0].backend == "inductor"
+    assert_same_function(model, fast, args, kwargs)
+    with pytest.raises(ConfigError, match="settable are"):
+        autoopt.optimize(model, args, kwargs, backend_options={"inductor": {"modes": "x"}})

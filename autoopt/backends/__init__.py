@@ -23,4 +23,9 @@ BACKENDS: tuple[str, ...] = ("aten", "inductor", "onnxruntime")
 # CI run or a serving fleet pins them without touching code).
 BACKENDS_VARIABLE = "AUTOOPT_BACKENDS"
 
-__all__ = ["BACKENDS", "BACKENDS_VARIABLE"]
+# What ``backend_options={"inductor": {...}}`` may set: torch.compile's ``mode`` (e.g.
+# ``"max-autotune"``: Inductor benchmarks GEMM and convolution templates, minutes of compile
+# for kernels that can be faster) and Inductor config ``options``.
+INDUCTOR_OPTIONS: tuple[str, ...] = ("mode", "options")
+
+__all__ = ["BACKENDS", "BACKENDS_VARIABLE", "INDUCTOR_OPTIONS"]

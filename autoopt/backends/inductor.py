@@ -58,15 +58,28 @@ def _forget(modules: list[Any]) -> None:
     modules.clear()
 
 
-def lower(gm: GraphModule, *, dynamic: bool, gradients: bool) -> InductorGraph:
+def lower(gm: GraphModule, *, dynamic: bool, gradients: bool,
+          settings: dict[str, Any] | None = None) -> InductorGraph:
     """``gm`` compiled by Inductor; compilation happens on the first call.
 
     A private copy of the graph module is compiled, so that dropping the result (a candidate
-    that lost) also drops what Dynamo cached for it.
+    that lost) also drops what Dynamo cached for it. ``settings``: the user's ``mode`` and
+    ``options`` (``autoopt.backends.INDUCTOR_OPTIONS``); freezing is on for inference unless
+    they say otherwise.
     """
+    settings = dict(settings or {})
+    options = {"freezing": not gradients, **dict(settings.get("options") or {})}
     graph = copy_graph_module(gm)
+    mode = settings.get("mode")
+    if mode is not None:  # torch.compile takes a mode or options, not both: options win
+        for key, value in torch._inductor.list_mode_options(mode, dynamic).items():
+            # Not Inductor's CUDA graphs: their replays reuse the output memory, so an output
+            # the caller still holds would change under it (autoopt's own CUDA graphs, on
+            # the aten backend, return fresh outputs). options= can still ask for them.
+            if key != "triton.cudagraphs":
+                options.setdefault(key, value)
     return InductorGraph(torch.compile(graph, backend="inductor", fullgraph=True,
-                                       dynamic=dynamic, options={"freezing": not gradients}))
+                                       dynamic=dynamic, options=options))
 
 
 def available() -> str:

@@ -45,7 +45,8 @@ def lower_subgraph(optimized: GraphModule, example_inputs: Sequence[Any], inputs
             if why:
                 skipped[name] = why
             else:
-                lowerings.append(Lowering(name, lambda: _inductor(optimized, example_inputs)))
+                lowerings.append(Lowering(name, lambda: _inductor(
+                    optimized, example_inputs, dict(config.backend_options.get("inductor", {})))))
         else:
             skipped[name] = ("a Dynamo subgraph is one piece of a forward whose Python runs "
                              "in between; it is lowered by aten or inductor")
@@ -61,14 +62,22 @@ def lower_subgraph(optimized: GraphModule, example_inputs: Sequence[Any], inputs
                    else x for x in inputs]
         return lambda: run(*private)
 
-    what = identity(optimized, portable(optimized), tuple(inputs), {}, gradients, False)
+    what = identity(optimized, portable(optimized), tuple(inputs), {}, gradients, False,
+                    config.backend_options)
     return choose_backend(label, lowerings, skipped, verify=verify, timer=timer,
                           cost_model=cost_model, what=what,
                           required=config.backend is not None, gradients=gradients)
 
 
-def _inductor(optimized: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+def _inductor(optimized: GraphModule, example_inputs: Sequence[Any],
+              settings: dict[str, Any]) -> Callable[..., Any]:
+    from torch._inductor import config as inductor_config
+    from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
+    patches = {key: value for key, value in list_mode_options(settings["mode"]).items()
+               if key != "triton.cudagraphs"} if settings.get("mode") else {}
+    patches.update(settings.get("options") or {})
     # A copy: Inductor rewrites the graph module it is given.
-    return compile_fx(copy_graph_module(portable(optimized)), list(example_inputs))
+    with inductor_config.patch(patches):
+        return compile_fx(copy_graph_module(portable(optimized)), list(example_inputs))

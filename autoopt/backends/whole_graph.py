@@ -77,7 +77,8 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
                 skipped[name] = why
             else:
                 lowerings.append(Lowering(name, lambda: warm(call(inductor.lower(
-                    source, dynamic=dynamic, gradients=gradients)))))
+                    source, dynamic=dynamic, gradients=gradients,
+                    settings=dict(config.backend_options.get("inductor", {})))))))
         elif name == "onnxruntime":
             why = ort.available() or (
                 "inference only (ONNX Runtime computes no gradients)" if gradients else
@@ -109,7 +110,7 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
                                     allow_unused=True)
         return step
 
-    what = identity(gm, source, args, kwargs, gradients, dynamic)
+    what = identity(gm, source, args, kwargs, gradients, dynamic, config.backend_options)
     return choose_backend("whole graph", lowerings, skipped, verify=verify, timer=timer,
                           cost_model=cost_model, what=what,
                           required=config.backend is not None, gradients=gradients,
@@ -125,15 +126,18 @@ def _onnxruntime(source: GraphModule, module: nn.Module, args: tuple[Any, ...],
 
 
 def identity(gm: GraphModule, source: GraphModule, args: tuple[Any, ...],
-             kwargs: dict[str, Any], gradients: bool, dynamic: bool) -> str:
+             kwargs: dict[str, Any], gradients: bool, dynamic: bool,
+             settings: Any = None) -> str:
     """What the measured choice holds for: the graphs' code, the weights' shapes and dtypes,
-    the inputs', the mode and the ONNX Runtime version (the cost model adds the device,
-    thread count and torch version)."""
+    the inputs', the mode, the backends' settings and the ONNX Runtime version (the cost model
+    adds the device, thread count and torch version)."""
     digest = hashlib.sha256()
     for graph in dict.fromkeys((gm, source)):
         digest.update(graph.code.encode())
     for name, tensor in itertools.chain(source.named_parameters(), source.named_buffers()):
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
     digest.update(value_spec(pytree.tree_leaves((args, kwargs))).encode())
+    digest.update(repr(sorted((k, sorted(dict(v).items(), key=str))
+                              for k, v in dict(settings or {}).items())).encode())
     return f"backend|{digest.hexdigest()[:32]}|grad={gradients}|dynamic={dynamic}|" \
            f"onnxruntime={ort.version()}"
