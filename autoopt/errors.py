@@ -41,6 +41,21 @@ class DependencyError(AutoOptError, ImportError):
     """A package that a feature needs is not installed."""
 
 
+def wrapped_error(exc: BaseException, kind: type[AutoOptError] = AutoOptError,
+                  ) -> AutoOptError | None:
+    """The ``kind`` of autoopt error inside ``exc``, if one is: raised on purpose (a
+    ``ConfigError`` for a feature that cannot apply), it must reach the user, and Dynamo
+    wraps what a backend raises (``BackendCompilerFailed``, ``inner_exception``)."""
+    current: BaseException | None = exc
+    for _ in range(8):
+        if current is None:
+            return None
+        if isinstance(current, kind):
+            return current
+        current = getattr(current, "inner_exception", None) or current.__cause__
+    return None
+
+
 def require(module: str, feature: str, install: str) -> ModuleType:
     """Import ``module`` for ``feature``, or say what to install."""
     try:

@@ -27,7 +27,7 @@ from .capture.dynamo import autoopt_backend
 from .config import OptimizeConfig
 from .cost_model import CostModel
 from .driver import run_pipeline
-from .errors import ConfigError, ModelError
+from .errors import ConfigError, ModelError, wrapped_error
 from .guards import InputSignature, current_modes, needs_gradients, signature_of
 from .passes import PassContext
 from .report import CaptureRecord, PassRecord, Report
@@ -117,7 +117,7 @@ class Capturer:
             except ConfigError:
                 raise  # the user's options (an unmeetable memory_budget): no method helps
             except Exception as exc:  # noqa: BLE001 - each failure is a reason, not a crash
-                wrapped = _config_error(exc)
+                wrapped = wrapped_error(exc, ConfigError)
                 if wrapped is not None:  # raised in a Dynamo subgraph (a backend= forced)
                     raise wrapped from None
                 log.info("capture by %s failed: %s", method, exc)
@@ -392,18 +392,6 @@ class Capturer:
 
 class _Mismatch(Exception):
     """A capture produced a graph that is not the model's function; try the next method."""
-
-
-def _config_error(exc: BaseException) -> ConfigError | None:
-    """The ConfigError Dynamo wrapped (``BackendCompilerFailed``), if one is inside ``exc``."""
-    seen = 0
-    current: BaseException | None = exc
-    while current is not None and seen < 8:
-        if isinstance(current, ConfigError):
-            return current
-        current = getattr(current, "inner_exception", None) or current.__cause__
-        seen += 1
-    return None
 
 
 def _reason(exc: BaseException) -> str:

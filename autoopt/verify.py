@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from .errors import wrapped_error
+
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -318,24 +320,9 @@ def reference_run() -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        if _autoopt_error(exc) is not None:
+        if wrapped_error(exc) is not None:
             raise
         raise ReferenceFailed(f"{type(exc).__name__}: {exc}") from exc
-
-
-def _autoopt_error(exc: BaseException) -> BaseException | None:
-    """autoopt's own error (a ``ConfigError``) inside ``exc``, which must reach the user: such
-    errors are raised on purpose, and Dynamo wraps them (``BackendCompilerFailed``)."""
-    from .errors import AutoOptError
-
-    current: BaseException | None = exc
-    for _ in range(8):
-        if current is None:
-            return None
-        if isinstance(current, AutoOptError):
-            return current
-        current = getattr(current, "inner_exception", None) or current.__cause__
-    return None
 
 
 def _finite_leaves(value: Any) -> set[str]:
@@ -397,7 +384,7 @@ def check_all(run_pair: Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, A
             discard(i, f"eager raised {type(cause).__name__} on them")
             continue
         except Exception as exc:  # noqa: BLE001 - the optimized version raising is a mismatch
-            if _autoopt_error(exc) is not None:
+            if wrapped_error(exc) is not None:
                 raise
             return VerifyResult(False, max_abs, max_rel, i + 1,
                                 f"on the {which}: the optimized version raised "

@@ -228,18 +228,21 @@ def test_the_fastest_verified_candidate_wins_and_only_it_is_rebuilt() -> None:
                        gradients=False)
 
 
+class Branchy(nn.Module):
+    """Two linears with a data-dependent branch between them: two Dynamo subgraphs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.a(x))
+        if y.sum() > 0:  # data-dependent: Dynamo breaks the graph here
+            y = y * 2
+        return self.b(y).softmax(-1)
+
+
 def test_dynamo_subgraphs_choose_their_backends() -> None:
-    class Branchy(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = torch.relu(self.a(x))
-            if y.sum() > 0:  # data-dependent: Dynamo breaks the graph here
-                y = y * 2
-            return self.b(y).softmax(-1)
-
     model, x = Branchy().eval(), torch.randn(4, 16)
     fast = autoopt.optimize(model, (x,), backends=("aten", "inductor", "onnxruntime"))
     assert fast.report.capture_method == "dynamo"
@@ -364,17 +367,6 @@ def test_dynamo_subgraphs_with_gradients_measure_inductor_without_breaking_the_c
     # Timing a candidate's backward inside Dynamo's compilation of the frame made AOTAutograd
     # compile Inductor's backward nested in it, and Dynamo then failed the whole frame.
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # measured here, not read from a cache
-
-    class Branchy(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = torch.tanh(self.a(x))
-            if y.sum() > 0:
-                y = y * 2
-            return self.b(y)
 
     model, x = Branchy().train(), torch.randn(4, 16)
     reference = copy.deepcopy(model)

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..cost_model import CostModel
 from ..errors import ConfigError
+from ..export.onnx_writer import first_line
 from ..report import BackendChoice
 from ..verify import VerifyResult
 
@@ -118,5 +119,4 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:240] if text else ''}"
+    return f"{type(exc).__name__}: {first_line(exc, 240)}"

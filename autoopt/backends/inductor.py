@@ -67,19 +67,29 @@ def lower(gm: GraphModule, *, dynamic: bool, gradients: bool,
     ``options`` (``autoopt.backends.INDUCTOR_OPTIONS``); freezing is on for inference unless
     they say otherwise.
     """
-    settings = dict(settings or {})
-    options = {"freezing": not gradients, **dict(settings.get("options") or {})}
+    options = {"freezing": not gradients, **config_of(settings, dynamic)}
     graph = copy_graph_module(gm)
-    mode = settings.get("mode")
-    if mode is not None:  # torch.compile takes a mode or options, not both: options win
-        for key, value in torch._inductor.list_mode_options(mode, dynamic).items():
+    return InductorGraph(torch.compile(graph, backend="inductor", fullgraph=True,
+                                       dynamic=dynamic, options=options))
+
+
+def config_of(settings: dict[str, Any] | None, dynamic: bool | None = None) -> dict[str, Any]:
+    """Inductor config for the user's ``backend_options["inductor"]``: the settings its
+    ``mode`` stands for, then its ``options``, which win (torch.compile takes a mode or
+    options, not both, so the mode is spelled out)."""
+    settings = settings or {}
+    config: dict[str, Any] = {}
+    if settings.get("mode") is not None:
+        import torch._inductor
+
+        for key, value in torch._inductor.list_mode_options(settings["mode"], dynamic).items():
             # Not Inductor's CUDA graphs: their replays reuse the output memory, so an output
             # the caller still holds would change under it (autoopt's own CUDA graphs, on
             # the aten backend, return fresh outputs). options= can still ask for them.
             if key != "triton.cudagraphs":
-                options.setdefault(key, value)
-    return InductorGraph(torch.compile(graph, backend="inductor", fullgraph=True,
-                                       dynamic=dynamic, options=options))
+                config[key] = value
+    config.update(settings.get("options") or {})
+    return config
 
 
 def available() -> str:

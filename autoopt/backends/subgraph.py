@@ -11,14 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch.fx import GraphModule
 
 from ..config import OptimizeConfig
 from ..cost_model import CostModel
 from ..driver import copy_graph_module, portable
 from ..report import BackendChoice
-from ..verify import VerifyResult
+from ..verify import VerifyResult, clone_inputs
 from . import inductor
 from .choice import Lowering, choose_backend
 from .whole_graph import identity
@@ -57,9 +56,7 @@ def lower_subgraph(optimized: GraphModule, example_inputs: Sequence[Any], inputs
         # compile Inductor's backward graph nested in it, which Dynamo's bookkeeping refuses
         # (the frame's compile then fails). Verification of the whole module, after Dynamo is
         # done, runs the backward and compares the gradients.
-        private = [x.detach().clone().requires_grad_(x.requires_grad)
-                   if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
-                   else x for x in inputs]
+        private, _ = clone_inputs(tuple(inputs), {})
         return lambda: run(*private)
 
     what = identity(optimized, portable(optimized), tuple(inputs), {}, gradients, False,
@@ -72,12 +69,8 @@ def lower_subgraph(optimized: GraphModule, example_inputs: Sequence[Any], inputs
 def _inductor(optimized: GraphModule, example_inputs: Sequence[Any],
               settings: dict[str, Any]) -> Callable[..., Any]:
     from torch._inductor import config as inductor_config
-    from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
-    patches = {key: value for key, value in list_mode_options(settings["mode"]).items()
-               if key != "triton.cudagraphs"} if settings.get("mode") else {}
-    patches.update(settings.get("options") or {})
     # A copy: Inductor rewrites the graph module it is given.
-    with inductor_config.patch(patches):
+    with inductor_config.patch(inductor.config_of(settings)):
         return compile_fx(copy_graph_module(portable(optimized)), list(example_inputs))

@@ -20,7 +20,7 @@ from ..cost_model import CostModel
 from ..driver import copy_graph_module, run_pipeline
 from ..passes import PassContext
 from ..report import CaptureRecord, PassRecord
-from ..verify import VerifyResult, check_all, input_sets, reference_run
+from ..verify import VerifyResult, check_all, clone_inputs, input_sets, reference_run
 from .graph import annotate, concrete_inputs
 
 
@@ -86,9 +86,7 @@ def verify_graph(reference: GraphModule, candidate: GraphModule, example_inputs:
     sets = input_sets(tuple(example_inputs), {}, config.random_inputs)
 
     def run(graph: GraphModule, args: tuple[Any, ...]) -> tuple[Any, list[Any]]:
-        private = [x.detach().clone().requires_grad_(x.requires_grad)
-                   if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
-                   else x for x in args]
+        private, _ = clone_inputs(args, {})
         with torch.random.fork_rng():
             torch.manual_seed(0)
             out = graph(*private)
