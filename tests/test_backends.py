@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import pickle
 import threading
 import weakref
 from typing import Any
@@ -313,6 +314,8 @@ def test_backend_options_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         autoopt.optimize(model, args, kwargs, backend="aten", backends=("aten",))
     with pytest.raises(ConfigError, match="unknown backend"):
         autoopt.optimize(model, args, kwargs, backends=("aten", "xla"))
+    with pytest.raises(ConfigError, match="backends is empty"):
+        autoopt.optimize(model, args, kwargs, backends=())
     with pytest.raises(ConfigError, match="pipeline stage on aten"):
         autoopt.optimize(model, args, kwargs, devices=["cpu", "cpu"], backend="inductor")
     assert autoopt.OptimizeConfig(devices=("cpu",)).candidate_backends == ("aten",)
@@ -429,3 +432,27 @@ def test_inductor_settings_reach_the_compile_and_key_the_cache(
     assert_same_function(model, fast, args, kwargs)
     with pytest.raises(ConfigError, match="settable are"):
         autoopt.optimize(model, args, kwargs, backend_options={"inductor": {"modes": "x"}})
+
+
+@pytest.mark.parametrize("backend", ["inductor", "onnxruntime"])
+def test_a_saved_module_captures_again_and_trains_after_inference(backend: str) -> None:
+    # What a user does after the first call: save and load it (generated code and sessions
+    # belong to this process, so the loaded module captures anew), then switch to training.
+    model, args, kwargs = cnn()
+    fast = autoopt.optimize(model, args, kwargs, backend=backend)
+    loaded = pickle.loads(pickle.dumps(fast))
+    assert loaded.specializations == ()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(*args), model(*args), rtol=1e-4, atol=1e-5)
+    assert loaded.specializations[0].backend == backend
+    fast.train()
+    reference = copy.deepcopy(model).train()
+    if backend == "onnxruntime":  # inference only: a call with gradients needs another one
+        with pytest.raises(ConfigError, match="inference only"):
+            _train_step(fast, args, kwargs)
+        return
+    expected, expected_grads = _train_step(reference, args, kwargs)
+    actual, grads = _train_step(fast, args, kwargs)
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-3, atol=1e-5)
