@@ -207,8 +207,11 @@ class OptimizedModule(nn.Module):
 
         Each tensor keeps its identity and takes new storage holding the same values: an
         optimizer built on ``fast.parameters()`` stays valid, and so do the graphs, which
-        hold these tensors. They keep the user's version counters, so an in-place write to
-        the user's model still drops graphs built from the values it had."""
+        hold these tensors. Each also takes a version counter of its own (at the count it
+        had, so the graphs' stamps still hold): from now on this module's writes (a forward
+        that counts its calls, verification putting buffers back) bump neither the user's
+        counters nor those of other optimized modules sharing the user's memory, which
+        would take them for edits and capture again."""
         if not self._shares_weights:
             return
         self._shares_weights = False
@@ -217,7 +220,7 @@ class OptimizedModule(nn.Module):
         # inference tensor, which no later call with gradients could save for backward.
         with torch.inference_mode(False), torch.no_grad():
             for t in self._watch.shared:
-                t.data = t.data.clone()
+                _own_memory(t)
         self._watch.shared = []
         self._take_fingerprint()  # new memory, the same values
 
@@ -317,6 +320,29 @@ class OptimizedModule(nn.Module):
             self.report.warnings.append(message)
             warnings.warn(f"autoopt: {message}", stacklevel=3)
         return Compiled(signature_of(args, kwargs, self.module), "eager", self.module)
+
+
+def _own_memory(t: torch.Tensor) -> None:
+    """Give ``t`` new memory holding its values, and a version counter of its own, keeping
+    the Python object (its identity, attributes and ``requires_grad``).
+
+    ``t.data = copy`` keeps the counter ``t`` shares with the tensor it was detached from.
+    A counter cannot be replaced in place, so ``t`` swaps its C++ tensor for a fresh one.
+    That is only sound while nothing else holds ``t``'s C++ tensor (a saved autograd graph,
+    a gradient accumulator) nor hooks on it: otherwise ``t`` takes new memory and keeps the
+    shared counter, as before."""
+    version = t._version
+    fresh = t.detach().clone()
+    swappable = (type(t) in (torch.Tensor, nn.Parameter) and t.is_leaf and t.grad is None
+                 and not t._backward_hooks and not t._post_accumulate_grad_hooks
+                 and t._use_count() == 1)
+    if not swappable:
+        t.data = fresh
+        return
+    fresh = (nn.Parameter(fresh, requires_grad=t.requires_grad) if type(t) is nn.Parameter
+             else fresh.requires_grad_(t.requires_grad))
+    torch._C._swap_tensor_impl(t, fresh)
+    torch._C._autograd._unsafe_set_version_counter((t,), (version,))
 
 
 def _backend(spec: Compiled) -> str:

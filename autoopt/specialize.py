@@ -32,7 +32,7 @@ from .guards import InputSignature, current_modes, needs_gradients, signature_of
 from .passes import PassContext
 from .report import CaptureRecord, PassRecord, Report
 from .runtime import cuda_graphs
-from .state import has_hooks, preserved, python_state, uses_custom_autograd
+from .state import has_hooks, own_buffers, preserved, python_state, uses_custom_autograd
 from .verify import (
     VerifyResult,
     _leaves,
@@ -151,7 +151,9 @@ class Capturer:
         if has_hooks(self.module):
             obstacles.append("the model has forward/backward hooks, which a graph would run "
                              "only once at capture time")
-        with preserved(self.module):
+        # On copies of the buffers: a forward that writes them must not write memory this
+        # module may still share with the user's model (see on_state_write).
+        with own_buffers(self.module), preserved(self.module):
             before = python_state(self.module)
             tensors = [t for t in (*self.module.parameters(), *self.module.buffers())
                        if not t.is_inference()]

@@ -8,6 +8,7 @@ capture that keeps those semantics (Dynamo) or eager execution.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +17,7 @@ from torch import nn
 
 from .cost_model.isolation import _MODULE_INTERNALS, _freeze, preserved
 
-__all__ = ["has_hooks", "preserved", "python_state", "uses_custom_autograd"]
+__all__ = ["has_hooks", "own_buffers", "preserved", "python_state", "uses_custom_autograd"]
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
@@ -35,6 +36,34 @@ def python_state(module: nn.Module) -> dict[tuple[str, str], Any]:
     re-assignment and in-place writes show up.
     """
     return {(prefix, key): _freeze(value) for prefix, key, value in _user_attributes(module)}
+
+
+@contextlib.contextmanager
+def own_buffers(module: nn.Module) -> Iterator[None]:
+    """Run with copies in the module's buffer slots, the buffers put back on exit.
+
+    A forward that writes its buffers (a call counter, running statistics) then writes the
+    copies: never memory the module may share with the user's model, and no version counter
+    that optimized modules sharing that memory watch. A buffer held by several modules gets
+    one copy. The slots are set directly, so no assignment hook (``autoopt.watch``) fires.
+    Inference tensors are left in place (they have no version counter to move).
+    """
+    copies: dict[int, torch.Tensor] = {}
+    slots: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is None or b.is_inference():
+                continue
+            if id(b) not in copies:
+                copies[id(b)] = b.detach().clone().requires_grad_(b.requires_grad)
+            slots.append((m._buffers, name, b))
+    for table, name, b in slots:
+        table[name] = copies[id(b)]
+    try:
+        yield
+    finally:
+        for table, name, b in slots:
+            table[name] = b
 
 
 def has_hooks(module: nn.Module) -> bool:
