@@ -24,6 +24,7 @@ from . import memory as memory_lib
 from .backends.whole_graph import lower_whole_graph
 from .capture import graph as capture_lib
 from .capture.dynamo import autoopt_backend
+from .capture.objects import foreign_types
 from .config import OptimizeConfig
 from .cost_model import CostModel
 from .driver import run_pipeline
@@ -90,6 +91,7 @@ class Capturer:
                  report: Report, *, dynamic: bool = False, dynamic_shapes: Any = None,
                  on_state_write: Callable[[], None] | None = None) -> None:
         self._on_state_write = on_state_write
+        self._output_types: tuple[type, ...] = ()  # see capture.objects
         self._reference: dict[Any, Any] = {}
         self.module = module
         self._config = config
@@ -166,6 +168,7 @@ class Capturer:
                                  f"the example inputs: {exc}. Check the inputs' number, shapes "
                                  f"and dtypes against the model's forward.") from exc
             written = any(t._version != v for t, v in zip(tensors, versions, strict=True))
+            self._output_types = foreign_types(out)
             changed = sorted(f"{p + '.' if p else ''}{k}" for (p, k), v in
                              python_state(self.module).items() if before.get((p, k)) != v)
             if changed:
@@ -182,7 +185,7 @@ class Capturer:
     def _export(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                 record: CaptureRecord) -> Compiled:
         gm = capture_lib.export_graph(self.module, args, kwargs, self._dynamic,
-                                      self._dynamic_shapes)
+                                      self._dynamic_shapes, self._output_types)
         flat = capture_lib.flat_example_inputs(gm, args, kwargs)
         gm = self._optimize_graph(gm, flat, args, kwargs, record, "export",
                                   lambda g: g)

@@ -18,6 +18,7 @@ import torch
 import torchvision
 from model_zoo import bert, gpt2, mobilenet_v3_small, resnet18
 from torch import nn
+from torch.utils import _pytree as pytree
 
 import autoopt
 from autoopt.cli import main
@@ -305,7 +306,8 @@ def test_an_unwritable_path_is_refused_before_the_work(tmp_path: Path) -> None:
         autoopt.export_onnx(_mlp(), (torch.randn(2, 16),), "/proc/autoopt_model.onnx")
 
 
-def test_an_unregistered_dataclass_output_says_how_to_register_it(tmp_path: Path) -> None:
+def test_an_unregistered_dataclass_output_is_exported_with_its_fields_as_outputs(
+        tmp_path: Path) -> None:
     @dataclasses.dataclass
     class Output:
         logits: torch.Tensor
@@ -320,11 +322,10 @@ def test_an_unregistered_dataclass_output_says_how_to_register_it(tmp_path: Path
             h = self.head(x)
             return Output(h.relu(), h)
 
-    with pytest.raises(autoopt.ModelError) as info:
-        autoopt.export_onnx(Returns().eval(), (torch.randn(2, 4),), tmp_path / "d.onnx")
-    assert "returns the dataclass Output" in str(info.value)
-    assert str(info.value).endswith("torch.export.register_dataclass(Output), or return a "
-                                    "tuple or dict.")
+    report = autoopt.export_onnx(Returns().eval(), (torch.randn(2, 4),), tmp_path / "d.onnx")
+    assert report.ok and report.capture_method == "export"
+    assert report.outputs == ["logits", "hidden"]
+    assert Output not in pytree.SUPPORTED_NODES  # registered only while exporting
 
 
 def test_exporter_messages_lose_colour_codes_and_are_cut_at_a_word() -> None:

@@ -18,6 +18,7 @@ import torch
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
+from ..capture import objects
 from ..export.onnx_io import flat_tensors, name_inputs, name_outputs
 from ..export.onnx_writer import weight_bytes, write_onnx
 from ..export.session import OnnxSession, onnx_session
@@ -38,7 +39,7 @@ class OrtGraph:
     def __init__(self, session: OnnxSession, input_names: list[str], expected: Any) -> None:
         self.session = session
         self.input_names = input_names
-        leaves, self._spec = pytree.tree_flatten(expected)
+        leaves, self._spec = objects.flatten(expected)
         self._leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         self._outputs = list(session.output_names)
         tensors = sum(isinstance(x, torch.Tensor) for x in leaves)
@@ -69,8 +70,9 @@ def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str
     output_names = name_outputs(expected)
     with tempfile.TemporaryDirectory(prefix="autoopt-ort-") as folder:
         path = Path(folder) / "graph.onnx"
-        write_onnx(gm, args, kwargs, path, input_names, output_names, None, (), None,
-                   weight_bytes(gm) > _PROTOBUF_LIMIT, "auto")
+        with objects.scoped_for(expected):  # a DynamicCache output (see capture.objects)
+            write_onnx(gm, args, kwargs, path, input_names, output_names, None, (), None,
+                       weight_bytes(gm) > _PROTOBUF_LIMIT, "auto")
         # The session holds the weights in memory once created; the folder can go.
         session = onnx_session(path, device, threads=torch.get_num_threads()
                                if device.type == "cpu" else None)

@@ -28,12 +28,14 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.utils import _pytree as pytree
 
 from ..state import preserved
+from . import objects
 
 log = logging.getLogger(__name__)
 
 
 def export_graph(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
-                 dynamic: bool = False, dynamic_shapes: Any = None) -> GraphModule:
+                 dynamic: bool = False, dynamic_shapes: Any = None,
+                 output_types: tuple[type, ...] = ()) -> GraphModule:
     """Capture with ``torch.export`` (non-strict) and return the unlifted graph module.
 
     Args:
@@ -42,13 +44,16 @@ def export_graph(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, 
         dynamic: mark every dimension of every tensor input ``Dim.AUTO`` (export keeps
             dynamic what the model allows and specializes the rest).
         dynamic_shapes: passed to ``torch.export.export`` as is; wins over ``dynamic``.
+        output_types: classes in the model's output that torch's pytree does not know
+            (``objects.foreign_types`` of an eager output: a ``DynamicCache``); taken apart
+            while exporting and rebuilt by the graph module (see ``objects``).
     """
     if dynamic_shapes is None and dynamic:
         dynamic_shapes = _auto_dynamic_shapes(module, args, kwargs)
-    with _quiet_export():
+    with _quiet_export(), objects.as_pytree_nodes(output_types) as scoped:
         program = torch.export.export(module, tuple(args), dict(kwargs), strict=False,
                                       dynamic_shapes=dynamic_shapes)
-    gm = _without_runtime_checks(program.module())
+        gm = objects.make_portable(_without_runtime_checks(program.module()), scoped)
     # The sizes export proved the graph for (the signature guards them instead of _guards_fn).
     gm.meta["range_constraints"] = dict(program.range_constraints)
     return gm

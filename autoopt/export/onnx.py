@@ -24,7 +24,6 @@ onnx and onnxruntime are imported inside the functions: ``import autoopt`` stays
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import tempfile
 import time
@@ -39,6 +38,7 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from .. import precision_target as precision_lib
+from ..capture import objects
 from ..driver import portable
 from ..errors import AutoOptError, ConfigError, ModelError, ModelSpecError, require
 from ..verify import Tolerance, VerifyResult, _leaves, check_all, input_sets, reference_run
@@ -237,7 +237,7 @@ def export_onnx(model_or_optimized: nn.Module, example_inputs: Any, path: str | 
         tolerances = optimized.config.verification_tolerances  # the precision's end-to-end
     with torch.no_grad():
         expected = eager(*args, **kwargs)
-        gm, method = _whole_graph(optimized, args, kwargs, expected)
+        gm, method = _whole_graph(optimized, args, kwargs)
     if _quantized_ops(gm):
         raise ConfigError(_INT8_MESSAGE)
 
@@ -245,8 +245,9 @@ def export_onnx(model_or_optimized: nn.Module, example_inputs: Any, path: str | 
     output_names = name_outputs(expected)
     external = weight_bytes(gm) > _PROTOBUF_LIMIT
     shapes = dynamic_shapes(gm.forward, args, kwargs, dims, named=True)
-    used, fallback = write_onnx(gm, args, kwargs, path, input_names, output_names, shapes,
-                                dims, opset, external, exporter)
+    with objects.scoped_for(expected):  # a DynamicCache output (see capture.objects)
+        used, fallback = write_onnx(gm, args, kwargs, path, input_names, output_names,
+                                    shapes, dims, opset, external, exporter)
     try:  # the path form also reads external data, which a >2 GB model needs
         onnx.checker.check_model(str(path))
     except onnx.checker.ValidationError as exc:
@@ -317,19 +318,11 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
 
 
 def _whole_graph(optimized: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 expected: Any) -> tuple[GraphModule, str]:
+                 ) -> tuple[GraphModule, str]:
     """The optimized graph module ``optimized`` runs for these inputs (as ``save_program``)."""
     specialization = optimized.specialization_for(args, kwargs)
     graph, served = specialization.graph, specialization.method
     if not isinstance(graph, GraphModule) or served != "export":
-        unregistered = _unregistered_dataclass(expected)
-        if unregistered is not None:
-            name = unregistered.__name__
-            raise ModelError(f"cannot export to ONNX: the model returns the dataclass {name}, "
-                             f"which torch.export cannot take apart (it is not registered as "
-                             f"a pytree node). Register it once before exporting, "
-                             f"torch.export.register_dataclass({name}), or return a tuple or "
-                             f"dict.")
         attempts = "; ".join(f"{m}: {why}" for c in optimized.report.captures
                              for m, why in c.attempts)
         method = served
@@ -338,21 +331,6 @@ def _whole_graph(optimized: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                          f"to write. Make the model exportable with torch.export "
                          f"(capture attempts: {attempts or 'none recorded'}).")
     return portable(graph), served
-
-
-def _unregistered_dataclass(value: Any) -> type | None:
-    """The first dataclass type in an output that torch's pytree does not know."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        if type(value) not in pytree.SUPPORTED_NODES:
-            return type(value)
-        children = [getattr(value, f.name) for f in dataclasses.fields(value)]
-    elif isinstance(value, (list, tuple)):
-        children = list(value)
-    elif isinstance(value, dict):
-        children = list(value.values())
-    else:
-        return None
-    return next((t for t in map(_unregistered_dataclass, children) if t is not None), None)
 
 
 # --- verification ----------------------------------------------------------------------------
