@@ -17,6 +17,7 @@ from checks import assert_bit_identical, snapshot
 from torch import nn
 
 import autoopt
+from autoopt.capture.graph import symbolic_trace_graph
 from autoopt.verify import compare
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
@@ -319,3 +320,37 @@ def test_a_capture_that_bakes_a_changing_value_is_rejected() -> None:
     assert capture.method == "eager"
     assert "captured graph differs from eager" in capture.attempts[0][1]
     assert capture.passes == [] and capture.verification is None
+
+
+class _CachesThenIterates(nn.Module):
+    """Caches a tensor on its first call (like torchvision's anchor generator), then iterates
+    over a tensor, which symbolic_trace cannot follow but Dynamo can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.anchors: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.anchors is None:
+            self.anchors = torch.zeros_like(x[0])  # a proxy while symbolic_trace runs
+        rows = [row * 2 for row in self.fc(x)]  # iterating a proxy: symbolic_trace fails
+        if x.sum() > 1e9:  # data-dependent: export fails
+            return x
+        return torch.stack(rows) + self.anchors
+
+
+def test_a_failed_trace_leaves_no_trace_for_the_next_method() -> None:
+    """A failed symbolic_trace left its constants (``_tensor_constant0``) and the proxies the
+    forward cached on the module, and Dynamo then failed on them (torchvision detection ran
+    eagerly for that reason)."""
+    model = _CachesThenIterates().eval()
+    with pytest.raises(Exception, match="Proxy"):
+        symbolic_trace_graph(model, (torch.randn(3, 4),), {})
+    assert model.anchors is None
+    assert not [k for k in vars(model) if k.startswith("_tensor_constant")]
+    fast = run_side_by_side(model, [((torch.randn(3, 4),), {}), ((torch.randn(3, 4),), {})])
+    capture = fast.report.captures[0]
+    assert capture.method == "dynamo", capture.attempts
+    assert [m for m, _ in capture.attempts] == ["export", "symbolic_trace"]
+    assert model.anchors is None

@@ -17,6 +17,7 @@ import contextlib
 import inspect
 import io
 import logging
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -50,7 +51,8 @@ def export_graph(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, 
     """
     if dynamic_shapes is None and dynamic:
         dynamic_shapes = _auto_dynamic_shapes(module, args, kwargs)
-    with _quiet_export(), objects.as_pytree_nodes(output_types) as scoped:
+    with _quiet_export(), _attributes_restored(module), \
+            objects.as_pytree_nodes(output_types) as scoped:
         program = torch.export.export(module, tuple(args), dict(kwargs), strict=False,
                                       dynamic_shapes=dynamic_shapes)
         gm = objects.make_portable(_without_runtime_checks(program.module()), scoped)
@@ -163,6 +165,35 @@ class _BufferTracer(torch.fx.Tracer):
 
 
 def _trace(module: nn.Module, concrete: dict[str, Any] | None) -> GraphModule:
+    # A failed attempt is recorded by the caller; FX's warnings about it are noise here.
+    with _attributes_restored(module), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _trace_module(module, concrete)
+
+
+@contextlib.contextmanager
+def _attributes_restored(module: nn.Module) -> Iterator[None]:
+    """Put every submodule's attributes back as they were: FX's tracer stores the constants
+    it meets on the root (``_tensor_constant0``), and a forward that caches on its first call
+    (torchvision's anchor generator, RoI pooling scales) caches proxies while tracing. Left in
+    place, they break the next capture method (Dynamo) or a later eager call."""
+    saved = [(m, dict(vars(m))) for m in module.modules()]
+    try:
+        yield
+    finally:
+        for m, attributes in saved:
+            state = vars(m)
+            for key in [k for k in state if k not in attributes]:
+                del state[key]
+            for key, value in attributes.items():
+                if state.get(key, _MISSING) is not value:
+                    state[key] = value
+
+
+_MISSING = object()
+
+
+def _trace_module(module: nn.Module, concrete: dict[str, Any] | None) -> GraphModule:
     try:
         tracer: torch.fx.Tracer = _BufferTracer()
         graph = tracer.trace(module, concrete_args=concrete)
