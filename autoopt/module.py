@@ -300,6 +300,11 @@ class OptimizedModule(nn.Module):
                        and not (differentiable and t.requires_grad)]
             with GATE.capturing(), torch.random.fork_rng(devices=sorted(devices)):
                 spec = self._capturer.capture(*clone_inputs(args, kwargs))
+            if self._capturer.kept_state:
+                # The probe kept what the forward's first call writes (a cache, a flag), as
+                # eager's first call would: the values the graphs were traced with now.
+                self._capturer.kept_state = False
+                self._watch.refresh_attributes()
             if spec.signature is None:
                 self._unshare()  # Dynamo's module or eager: serves any later call, training too
             for other in current:

@@ -33,12 +33,27 @@ from .guards import InputSignature, current_modes, needs_gradients, signature_of
 from .passes import PassContext
 from .report import CaptureRecord, PassRecord, Report
 from .runtime import cuda_graphs
-from .state import has_hooks, own_buffers, preserved, python_state, uses_custom_autograd
+from .state import (
+    HookKey,
+    StateKey,
+    assign_attributes,
+    attribute_values,
+    changed_state,
+    has_hooks,
+    hook_keys,
+    own_buffers,
+    preserved,
+    python_state,
+    remove_hooks,
+    state_names,
+    uses_custom_autograd,
+)
 from .verify import (
     VerifyResult,
     _leaves,
     check_all,
     clone_inputs,
+    compare,
     gradients,
     input_sets,
     reference_run,
@@ -91,6 +106,10 @@ class Capturer:
                  report: Report, *, dynamic: bool = False, dynamic_shapes: Any = None,
                  on_state_write: Callable[[], None] | None = None) -> None:
         self._on_state_write = on_state_write
+        # Hooks the model installed on its first call, kept with the state (see _probe).
+        self._own_hooks: set[HookKey] = set()
+        # Whether a probe kept state a first call wrote (the owner's watch then re-reads it).
+        self.kept_state = False
         self._output_types: tuple[type, ...] = ()  # see capture.objects
         self._reference: dict[Any, Any] = {}
         self.module = module
@@ -148,37 +167,98 @@ class Capturer:
         return spec
 
     def _probe(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
-        """Run eagerly once; return why a whole-graph capture could not replay this model."""
+        """Run eagerly once (twice where the first call writes Python state); return why a
+        whole-graph capture could not replay this model.
+
+        Python state the first call writes and later calls leave as they find it (a cache of
+        values computed from parameters, a flag set once, hooks the model installs for
+        itself) is kept on this module, autoopt's copy, as eager's first call would leave it,
+        when the second call computes what the first did: the graph is then captured as
+        every later call runs (``_first_call_only``). State written on every call stays an
+        obstacle. The user's model is never run here."""
         obstacles = []
-        if has_hooks(self.module):
+        if has_hooks(self.module, ignore=self._own_hooks):
             obstacles.append("the model has forward/backward hooks, which a graph would run "
                              "only once at capture time")
+        hooks = hook_keys(self.module)
+        kept: dict[StateKey, Any] | None = None
         # On copies of the buffers: a forward that writes them must not write memory this
         # module may still share with the user's model (see on_state_write).
-        with own_buffers(self.module), preserved(self.module):
+        with own_buffers(self.module) as copies, preserved(self.module):
             before = python_state(self.module)
             tensors = [t for t in (*self.module.parameters(), *self.module.buffers())
                        if not t.is_inference()]
             versions = [t._version for t in tensors]
+            out = self._probe_call(args, kwargs)
+            written = any(t._version != v for t, v in zip(tensors, versions, strict=True))
+            self._output_types = foreign_types(out)
+            changed = changed_state(before, python_state(self.module))
+            installed = hook_keys(self.module) - hooks
+            if changed or installed:
+                why, kept = self._first_call_only(args, kwargs, out, changed, copies)
+                if why:
+                    obstacles.append(why)
+            if torch.is_grad_enabled() and uses_custom_autograd(out):
+                obstacles.append("the model uses a custom autograd.Function, whose backward "
+                                 "a traced graph would drop")
+        if kept is not None:  # preserved put back the state from before: the first call's
+            assign_attributes(self.module, kept)
+            self._own_hooks |= installed
+            self.kept_state = True
+            log.info("capture: forward's first call writes %s, which later calls keep: kept "
+                     "on autoopt's copy and captured as later calls run",
+                     state_names(changed) or "hooks")
+        else:
+            remove_hooks(self.module, installed)  # the probe leaves no trace
+        if written and self._on_state_write is not None:
+            self._on_state_write()  # after the probe's writes were put back
+        return obstacles
+
+    def _probe_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One eager call on a copy of the inputs, from the buffers' values as they are (they
+        are put back after it, with the RNG: each probe call sees the same)."""
+        with preserved(list(self.module.buffers())):
+            probe_args, probe_kwargs = clone_inputs(args, kwargs)
             try:
-                probe_args, probe_kwargs = clone_inputs(args, kwargs)
-                out = self.module(*probe_args, **probe_kwargs)
+                return self.module(*probe_args, **probe_kwargs)
             except Exception as exc:
                 raise ModelError(f"the model raised {type(exc).__name__} when run eagerly on "
                                  f"the example inputs: {exc}. Check the inputs' number, shapes "
                                  f"and dtypes against the model's forward.") from exc
-            written = any(t._version != v for t, v in zip(tensors, versions, strict=True))
-            self._output_types = foreign_types(out)
-            changed = sorted(f"{p + '.' if p else ''}{k}" for (p, k), v in
-                             python_state(self.module).items() if before.get((p, k)) != v)
-            if changed:
-                obstacles.append(f"forward changes Python state ({', '.join(changed[:3])})")
-            if torch.is_grad_enabled() and uses_custom_autograd(out):
-                obstacles.append("the model uses a custom autograd.Function, whose backward "
-                                 "a traced graph would drop")
-        if written and self._on_state_write is not None:
-            self._on_state_write()  # after the probe's writes were put back
-        return obstacles
+
+    def _first_call_only(self, args: tuple[Any, ...], kwargs: dict[str, Any], first: Any,
+                         changed: list[StateKey], copies: list[torch.Tensor],
+                         ) -> tuple[str, dict[StateKey, Any] | None]:
+        """Call once more, after the probe's first call wrote ``changed`` (or installed
+        hooks): the write is one a graph can own if this call writes nothing and computes
+        what the first did. Returns why not, or the state to keep."""
+        names = state_names(changed)
+        what = f"forward changes Python state ({names})" if changed else "forward adds hooks"
+        expected = {p: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                    for p, v in _leaves(first, "output")}
+        after, hooks = python_state(self.module), hook_keys(self.module)
+        try:
+            second = self._probe_call(args, kwargs)
+        except ModelError as exc:
+            return f"{what}, after which a second call raises ({exc.__cause__})", None
+        again = changed_state(after, python_state(self.module))
+        if again:
+            return (f"forward changes Python state ({state_names(again)}) on every call: a "
+                    f"graph would replay the values of one call"), None
+        if hook_keys(self.module) - hooks:
+            return "forward adds hooks on every call", None
+        result = compare(expected, dict(_leaves(second, "output")),
+                         self._config.verification_tolerances)
+        if not result.ok:
+            return (f"{what} on its first call and computes differently on later calls "
+                    f"({result.detail})"), None
+        kept = attribute_values(self.module, changed)
+        held = [v for _, v in _leaves(kept, "state") if isinstance(v, torch.Tensor)]
+        if any(v.requires_grad for v in held):
+            return f"{what}, keeping tensors with gradient history", None
+        if {id(v) for v in held} & {id(c) for c in copies}:
+            return f"{what}, keeping a buffer itself", None
+        return "", kept
 
     # --- capture methods, tried in config.capture order -----------------------------------
 

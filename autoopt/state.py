@@ -2,8 +2,11 @@
 
 Verification runs a model several times; none of those runs may leave a trace (BatchNorm
 statistics, counters, the RNG). And a graph can only replay what happens to tensors: a model
-whose forward changes Python attributes, runs hooks or custom autograd Functions needs a
-capture that keeps those semantics (Dynamo) or eager execution.
+whose forward changes Python attributes on every call, runs hooks or custom autograd Functions
+needs a capture that keeps those semantics (Dynamo) or eager execution. State a forward writes
+once, on its first call (a cache, a flag, hooks it installs for itself), is another matter:
+``changed_state``, ``attribute_values`` and ``assign_attributes`` let the capture's probe
+(``autoopt.specialize``) keep it, as eager's first call would.
 """
 
 from __future__ import annotations
@@ -17,9 +20,16 @@ from torch import nn
 
 from .cost_model.isolation import _MODULE_INTERNALS, _freeze, preserved
 
-__all__ = ["has_hooks", "own_buffers", "preserved", "python_state", "uses_custom_autograd"]
+__all__ = ["HookKey", "StateKey", "assign_attributes", "attribute_values", "changed_state",
+           "has_hooks", "hook_keys",
+           "own_buffers", "preserved", "python_state", "remove_hooks", "state_names",
+           "uses_custom_autograd"]
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# Where a hook's options live, under the hook's handle id.
+_HOOK_EXTRAS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                "_forward_pre_hooks_with_kwargs")
+StateKey = tuple[str, str]  # (submodule path, attribute name), as python_state keys them
 
 
 def _user_attributes(module: nn.Module) -> Iterator[tuple[str, str, Any]]:
@@ -39,8 +49,8 @@ def python_state(module: nn.Module) -> dict[tuple[str, str], Any]:
 
 
 @contextlib.contextmanager
-def own_buffers(module: nn.Module) -> Iterator[None]:
-    """Run with copies in the module's buffer slots, the buffers put back on exit.
+def own_buffers(module: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Run with copies in the module's buffer slots (yielded), the buffers put back on exit.
 
     A forward that writes its buffers (a call counter, running statistics) then writes the
     copies: never memory the module may share with the user's model, and no version counter
@@ -60,21 +70,70 @@ def own_buffers(module: nn.Module) -> Iterator[None]:
     for table, name, b in slots:
         table[name] = copies[id(b)]
     try:
-        yield
+        yield list(copies.values())
     finally:
         for table, name, b in slots:
             table[name] = b
 
 
-def has_hooks(module: nn.Module) -> bool:
-    """Whether any module or the global registry holds forward/backward hooks."""
+def changed_state(before: dict[StateKey, Any], after: dict[StateKey, Any]) -> list[StateKey]:
+    """The attributes that differ between two ``python_state`` snapshots (set, re-assigned,
+    changed in place or deleted), in a stable order."""
+    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+
+
+def state_names(keys: list[StateKey], limit: int = 3) -> str:
+    """``stages.0.attn.attention_bias_cache, ...`` for a message."""
+    names = [f"{p}.{k}" if p else k for p, k in keys]
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
+
+
+_ABSENT = object()
+
+
+def attribute_values(module: nn.Module, keys: list[StateKey]) -> dict[StateKey, Any]:
+    """The objects these attributes hold now (a marker for a deleted one), by reference."""
+    return {(p, k): vars(module.get_submodule(p)).get(k, _ABSENT) for p, k in keys}
+
+
+def assign_attributes(module: nn.Module, values: dict[StateKey, Any]) -> None:
+    """Put ``attribute_values``' objects back in place (deleting the deleted ones)."""
+    for (p, k), value in values.items():
+        namespace = vars(module.get_submodule(p))
+        if value is _ABSENT:
+            namespace.pop(k, None)
+        else:
+            namespace[k] = value
+
+
+HookKey = tuple[str, str, int]  # (submodule path, hook table, handle id)
+
+
+def hook_keys(module: nn.Module) -> set[HookKey]:
+    """Every forward/backward hook registered on the module's submodules (by path, so the
+    keys hold for a copy of the module too)."""
+    return {(path, name, key) for path, m in module.named_modules() for name in _HOOK_DICTS
+            for key in (getattr(m, name, None) or {})}
+
+
+def remove_hooks(module: nn.Module, keys: set[HookKey]) -> None:
+    """Remove these hooks (``hook_keys``' entries), with the options kept under their ids."""
+    for path, name, key in keys:
+        m = module.get_submodule(path)
+        for table in (name, *_HOOK_EXTRAS):
+            getattr(m, table, {}).pop(key, None)
+
+
+def has_hooks(module: nn.Module, ignore: set[HookKey] | None = None) -> bool:
+    """Whether any module or the global registry holds forward/backward hooks (besides those
+    in ``ignore``: ``hook_keys`` entries)."""
     from torch.nn.modules import module as module_impl
 
     global_hooks = ("_global_forward_hooks", "_global_forward_pre_hooks",
                     "_global_backward_hooks", "_global_backward_pre_hooks")
     if any(getattr(module_impl, name, None) for name in global_hooks):
         return True
-    return any(getattr(m, name, None) for m in module.modules() for name in _HOOK_DICTS)
+    return bool(hook_keys(module) - (ignore or set()))
 
 
 def uses_custom_autograd(outputs: Any) -> bool:
