@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from torch.fx import GraphModule
 
+from . import memory_profile
 from .passes import LOWERING, PassContext, PassFn
 from .report import PassRecord
 from .verify import VerifyResult
@@ -46,6 +47,8 @@ def run_pipeline(gm: GraphModule, passes: Sequence[tuple[str, PassFn]], ctx: Pas
         disabled: names of passes to skip.
         debug: check after every pass instead of once at the end.
     """
+    if check is not None:
+        check = _staged(check)
     current, records = _run(gm, passes, ctx, check if debug else None, disabled)
     if check is None or debug or not any(r.status == "applied" for r in records):
         return current, records
@@ -79,7 +82,8 @@ def _run(gm: GraphModule, passes: Sequence[tuple[str, PassFn]], ctx: PassContext
         options = ctx.options.get(name, {}) if isinstance(ctx.options, dict) else {}
         pass_ctx = PassContext(ctx.example_inputs, ctx.device, ctx.training, ctx.cost, options)
         try:
-            result = fn(candidate, pass_ctx)
+            with memory_profile.stage(f"pass {name}"):
+                result = fn(candidate, pass_ctx)
             if result.modified:
                 result.graph_module.graph.lint()
                 result.graph_module.recompile()
@@ -104,6 +108,13 @@ def _run(gm: GraphModule, passes: Sequence[tuple[str, PassFn]], ctx: PassContext
     if before_lowering is not None and current is not before_lowering:
         current.meta["portable"] = before_lowering
     return current, records
+
+
+def _staged(check: Check) -> Check:
+    def staged(candidate: GraphModule) -> VerifyResult:
+        with memory_profile.stage("verify"):
+            return check(candidate)
+    return staged
 
 
 def portable(gm: GraphModule) -> GraphModule:

@@ -21,12 +21,14 @@ from torch import nn
 from torch.fx import GraphModule
 
 from . import memory as memory_lib
+from . import memory_profile
 from .backends.whole_graph import lower_whole_graph
 from .capture import graph as capture_lib
 from .capture.dynamo import autoopt_backend
 from .capture.objects import foreign_types
 from .config import OptimizeConfig
 from .cost_model import CostModel
+from .cost_model.isolation import is_read_only
 from .driver import run_pipeline
 from .errors import ConfigError, ModelError, wrapped_error
 from .guards import InputSignature, current_modes, needs_gradients, signature_of
@@ -125,7 +127,8 @@ class Capturer:
         start = time.perf_counter()
         record = CaptureRecord(inputs=signature_of(args, kwargs, self.module).describe())
         self.report.captures.append(record)
-        obstacles = self._probe(args, kwargs)
+        with memory_profile.stage("eager probe"):
+            obstacles = self._probe(args, kwargs)
         spec = None
         for method in self._config.capture:
             if method != "dynamo" and obstacles:
@@ -133,7 +136,8 @@ class Capturer:
                 continue
             log.info("capture: trying %s", method)
             try:
-                spec = getattr(self, f"_{method}")(args, kwargs, record)
+                with memory_profile.stage(f"capture {method}"):
+                    spec = getattr(self, f"_{method}")(args, kwargs, record)
                 break
             except ConfigError:
                 raise  # the user's options (an unmeetable memory_budget): no method helps
@@ -264,8 +268,9 @@ class Capturer:
 
     def _export(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                 record: CaptureRecord) -> Compiled:
-        gm = capture_lib.export_graph(self.module, args, kwargs, self._dynamic,
-                                      self._dynamic_shapes, self._output_types)
+        with memory_profile.stage("torch.export"):
+            gm = capture_lib.export_graph(self.module, args, kwargs, self._dynamic,
+                                          self._dynamic_shapes, self._output_types)
         flat = capture_lib.flat_example_inputs(gm, args, kwargs)
         gm = self._optimize_graph(gm, flat, args, kwargs, record, "export",
                                   lambda g: g)
@@ -281,15 +286,16 @@ class Capturer:
         """The fastest verified backend's callable for ``gm`` (``aten`` runs ``aten``), and
         its name where it is not ``aten``."""
         gradients = needs_gradients(args, kwargs, current_modes(self.module))
-        run, choice = lower_whole_graph(
-            gm, aten, self.module, args, kwargs, config=self._config,
-            cost_model=self.cost_model,
-            verify=(lambda c: self._verify(c, args, kwargs, gm, self._reference))
-            if self._config.verify else None,
-            adapt=adapt, gradients=gradients,
-            dynamic=self._dynamic or self._dynamic_shapes is not None,
-            memory_plan=record.memory_plan is not None,
-            device=model_device(self.module) or torch.device("cpu"))
+        with memory_profile.stage("backend choice"):
+            run, choice = lower_whole_graph(
+                gm, aten, self.module, args, kwargs, config=self._config,
+                cost_model=self.cost_model,
+                verify=(lambda c: self._verify(c, args, kwargs, gm, self._reference))
+                if self._config.verify else None,
+                adapt=adapt, gradients=gradients,
+                dynamic=self._dynamic or self._dynamic_shapes is not None,
+                memory_plan=record.memory_plan is not None,
+                device=model_device(self.module) or torch.device("cpu"))
         record.backends.append(choice)
         if choice.chosen == "aten":
             return run, ""
@@ -456,7 +462,8 @@ class Capturer:
                 leaves.update(_leaves((a, k), "inputs after the call"))
                 if differentiable:
                     leaves.update(gradients(out, (a, k), module.named_parameters()))
-                buffers = {n: b.detach().clone() for n, b in owner.named_buffers()}
+                buffers = {n: b.detach().clone() for n, b in owner.named_buffers()
+                           if not is_read_only(b)}  # a pass's constants: no run writes them
             return leaves, buffers
 
         def run_pair(a: tuple[Any, ...], k: dict[str, Any]) -> tuple[Any, Any]:

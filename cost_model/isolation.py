@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+from torch.utils.weak import WeakIdKeyDictionary
 
 # Attributes nn.Module keeps for itself; everything else in a module's __dict__ is user state.
 _MODULE_INTERNALS = frozenset({
@@ -49,6 +50,24 @@ def _freeze(value: Any, depth: int = 0) -> Any:
     if hasattr(value, "__dict__"):
         return ("object", id(value), _freeze(dict(vars(value)), depth + 1))
     return ("object", id(value))
+
+
+# Tensors no run writes: constants the passes computed (merged, folded weights), which the
+# graph only reads. ``preserved`` copies every other buffer before a run; copying these would
+# cost a copy of the derived weights per verification run.
+_READ_ONLY = WeakIdKeyDictionary()
+
+
+def mark_read_only(t: torch.Tensor) -> torch.Tensor:
+    """Declare that no run writes ``t`` (a constant a pass computed and only the graph reads),
+    so ``preserved`` does not copy it; returns ``t``."""
+    _READ_ONLY[t] = True
+    return t
+
+
+def is_read_only(t: torch.Tensor) -> bool:
+    """Whether ``t`` was declared a constant no run writes (``mark_read_only``)."""
+    return t in _READ_ONLY
 
 
 @contextlib.contextmanager
@@ -90,7 +109,8 @@ def preserved(*state: Any) -> Iterator[None]:
                     keep(leaf)
             continue
         for b in item.buffers():
-            keep(b)
+            if not is_read_only(b):
+                keep(b)
         for p in item.parameters():  # not restored (a run does not train), but its RNG is
             if p.device.type == "cuda":
                 devices.add(p.device.index if p.device.index is not None

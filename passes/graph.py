@@ -12,6 +12,8 @@ from torch import nn
 from torch.fx import GraphModule, Node
 from torch.fx.operator_schemas import normalize_function
 
+from autoopt.cost_model.isolation import mark_read_only
+
 from . import ops
 
 
@@ -114,7 +116,8 @@ def add_constant(gm: GraphModule, base: str, value: torch.Tensor) -> Node:
     """Register ``value`` as a new buffer of ``gm`` under a fresh name and return a
     ``get_attr`` node for it (inserted at the current insertion point)."""
     name = fresh_name(gm, base)
-    gm.register_buffer(name, value)
+    # The graph only reads it: runs need not copy it to put it back (``preserved``).
+    gm.register_buffer(name, mark_read_only(value))
     node = gm.graph.get_attr(name)
     node.meta["val"] = fake_like(gm, value)
     return node

@@ -12,6 +12,7 @@ the wide result, as ``torch.split`` gives.
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 from collections.abc import Sequence
@@ -49,10 +50,10 @@ def merge_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
         linears = [node for node, _, _ in group]
         weights = [w for _, w, _ in group]
         biases = [b for _, _, b in group]
-        weight, bias = _stacked(weights, biases)
-        if measure and not _pays(ctx, meta_val(x), weights, biases, weight, bias):
+        if measure and not _pays(ctx, meta_val(x), weights, biases):
             counts["kept_separate"] += 1
             continue
+        weight, bias = _stacked(weights, biases)
         _merge(gm, x, linears, weight, bias, [w.shape[0] for w in weights])
         counts["merged_groups"] += 1
         counts["merged_linears"] += len(group)
@@ -122,18 +123,19 @@ def _merge(gm: GraphModule, x: Node, linears: Sequence[Node], weight: torch.Tens
 
 
 def _pays(ctx: PassContext, x_meta: torch.Tensor, weights: Sequence[torch.Tensor],
-          biases: Sequence[torch.Tensor | None], weight: torch.Tensor,
-          bias: torch.Tensor | None) -> bool:
-    """Whether the merged form (``weight``, ``bias``: the stacked ones) measures at least as
-    fast as the separate linears, on a random input of the real shape."""
+          biases: Sequence[torch.Tensor | None]) -> bool:
+    """Whether the merged form measures at least as fast as the separate linears, on a random
+    input of the real shape. The stacked copy of the weights is made only to measure it, and
+    not at all where this shape's choice is cached (a decoder's repeated layers)."""
     if not all(isinstance(s, int) for s in x_meta.shape):
         return False  # a symbolic size: no single shape to measure at
     x = torch.randn(x_meta.shape, dtype=x_meta.dtype, device=weights[0].device)
     sizes = [w.shape[0] for w in weights]
     what = (f"linear_group|{tuple(x.shape)}|{[tuple(w.shape) for w in weights]}|{x.dtype}|"
             f"bias={[b is not None for b in biases]}")
+    stacked = functools.cache(lambda: _stacked(weights, biases))
     best, seconds = ctx.cost.fastest(what, {
-        "merged": lambda: F.linear(x, weight, bias).split(sizes, -1),
+        "merged": lambda: F.linear(x, *stacked()).split(sizes, -1),
         "separate": lambda: [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)],
     })
     log.debug("%s: %s", what, seconds)

@@ -48,6 +48,7 @@ that gradients would not reach). It is a lowering: exports take the graph from b
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -254,9 +255,14 @@ def _choose(gm: GraphModule, ctx: PassContext, linear: _Linear,
     bias = attr(gm, linear.bias) if linear.bias is not None else None
     what = (f"linear|{tuple(x.shape)}|{tuple(linear.weight.shape)}|{x.dtype}|"
             f"bias={bias is not None}")
-    packed = {f"{k}_packed": PackedLinear(linear.weight, linear.rows, k) for k in candidates}
-    runs: dict[str, Any] = {name: (lambda k=k: k(x, bias)) for name, k in packed.items()}
+    # Packed copies are made as a candidate is first run: where this shape's choice is cached
+    # (a decoder's repeated layers) only the winner is packed, and the losers' copies are
+    # dropped on return.
+    packed = {f"{k}_packed": functools.cache(
+        lambda k=k: PackedLinear(linear.weight, linear.rows, k)) for k in candidates}
+    runs: dict[str, Any] = {name: (lambda make=make: make()(x, bias))
+                            for name, make in packed.items()}
     runs["aten"] = lambda: F.linear(x, linear.weight, bias)
     best, seconds = ctx.cost.fastest(what, runs)
     log.debug("%s: %s -> %s", what, seconds, best)
-    return packed.get(best)  # the others' packed copies are dropped here
+    return packed[best]() if best in packed else None

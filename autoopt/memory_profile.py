@@ -1,0 +1,183 @@
+"""Where optimize's memory goes: resident memory before, after and at the peak of each stage.
+
+Opt-in and cheap: nothing is recorded unless a ``recording()`` is active in this thread.
+
+    >>> from autoopt import memory_profile
+    >>> with memory_profile.recording() as stages:
+    ...     fast = autoopt.optimize(model, (x,))
+    >>> print(memory_profile.describe(stages))
+    stage                    before     after      peak  growth
+    capture export          1.52 GiB  1.60 GiB  2.10 GiB  +0.58 GiB
+    ...
+
+Each stage (``capture export``, ``pass merge_linear``, ``verify``, ``backend``) is wrapped in
+``stage(name)`` where it runs. The peak of a stage is the process's high-water mark of resident
+memory while it ran, read from ``/proc/self/status`` (``VmHWM``) after resetting it on entry
+(``/proc/self/clear_refs``, Linux); nested stages fold their peaks into their parents'. Where
+the reset is not possible the peak is None. On a CUDA device the stage also records
+``torch.cuda.max_memory_allocated`` the same way. Every stage is also logged at debug level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_GIB = 2**30
+
+
+@dataclass
+class StageMemory:
+    """One stage's resident memory, in bytes.
+
+    Args:
+        name: the stage (``pass packed_linear``).
+        depth: how deep it is nested in other stages (0: top level).
+        before, after: resident set size on entry and on exit.
+        peak: the most resident at once while it ran; None where the OS cannot say.
+        seconds: wall time of the stage.
+        cuda_before, cuda_peak: ``torch.cuda.memory_allocated`` on entry and the most
+            allocated while it ran (None without CUDA).
+    """
+
+    name: str
+    depth: int
+    before: int
+    after: int = 0
+    peak: int | None = None
+    seconds: float = 0.0
+    cuda_before: int | None = None
+    cuda_peak: int | None = None
+
+    @property
+    def growth(self) -> int | None:
+        """Peak over the memory on entry: what the stage needed beyond what it was given."""
+        return None if self.peak is None else self.peak - self.before
+
+
+_local = threading.local()
+
+
+def _stages() -> list[StageMemory] | None:
+    return getattr(_local, "stages", None)
+
+
+def rss_bytes() -> int:
+    """The process's resident set size now (``/proc/self/statm``), 0 where unknown."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def peak_rss_bytes() -> int | None:
+    """The process's high-water mark of resident memory (``VmHWM``), None where unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            match = re.search(r"VmHWM:\s+(\d+) kB", f.read())
+    except OSError:
+        return None
+    return int(match.group(1)) * 1024 if match else None
+
+
+def reset_peak_rss() -> bool:
+    """Start the high-water mark afresh at the current resident size; False where the OS
+    does not allow it (not Linux, or a kernel without ``clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _page_size() -> int:
+    try:
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 4096
+
+
+_PAGE = _page_size()
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[StageMemory]]:
+    """Record every ``stage`` run in this thread inside the block; yields the list it fills,
+    outermost stages first (in entry order)."""
+    previous = _stages()
+    _local.stages, _local.open = [], []
+    try:
+        yield _local.stages
+    finally:
+        _local.stages, _local.open = previous, []
+
+
+def _fold_peak() -> None:
+    """Credit the high-water mark since the last reset to every open stage."""
+    peak = peak_rss_bytes()
+    cuda = torch.cuda.max_memory_allocated() if _cuda() else None
+    for s in _local.open:
+        if peak is not None and s.peak is not None:
+            s.peak = max(s.peak, peak)
+        if cuda is not None and s.cuda_peak is not None:
+            s.cuda_peak = max(s.cuda_peak, cuda)
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+@contextlib.contextmanager
+def stage(name: str) -> Iterator[None]:
+    """Record the block's memory as stage ``name`` when a ``recording()`` is active; otherwise
+    do nothing."""
+    stages = _stages()
+    if stages is None:
+        yield
+        return
+    _fold_peak()
+    record = StageMemory(name, len(_local.open), rss_bytes())
+    if reset_peak_rss():
+        record.peak = record.before
+    if _cuda():
+        record.cuda_before = record.cuda_peak = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    stages.append(record)
+    _local.open.append(record)
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        record.seconds = time.perf_counter() - start
+        _fold_peak()
+        _local.open.pop()
+        record.after = rss_bytes()
+        if record.peak is not None:
+            record.peak = max(record.peak, record.after)
+        log.debug("memory: %s: %.2f -> %.2f GiB, peak %s, %.2f s", name, record.before / _GIB,
+                  record.after / _GIB, "?" if record.peak is None
+                  else f"{record.peak / _GIB:.2f} GiB", record.seconds)
+
+
+def describe(stages: list[StageMemory]) -> str:
+    """A table of the stages: resident memory before, after, at the peak, and the growth."""
+    lines = [f"{'stage':<32} {'before':>9} {'after':>9} {'peak':>9} {'growth':>9} {'s':>6}"]
+    for s in stages:
+        peak = "?" if s.peak is None else f"{s.peak / _GIB:.2f}"
+        growth = "?" if s.growth is None else f"{s.growth / _GIB:+.2f}"
+        lines.append(f"{'  ' * s.depth + s.name:<32} {s.before / _GIB:9.2f} "
+                     f"{s.after / _GIB:9.2f} {peak:>9} {growth:>9} {s.seconds:6.1f}")
+    return "\n".join(lines) + "\n(GiB of resident memory)"

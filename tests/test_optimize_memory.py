@@ -1,0 +1,197 @@
+"""Optimize in bounded memory (issue #21): what optimize copies, keeps and measures.
+
+Each test pins one way optimize used to grow memory beyond the model's weights: whole outputs
+compared in float64, verification runs copying the passes' constants, weights stacked or packed
+for a choice the cost model had already made, and (through the memory profile) which stage
+grows. Resident-memory checks leave a wide margin: the fixed path grows by a small fraction of
+what the old one did.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import autoopt
+from autoopt import memory_profile
+from autoopt.capture.graph import export_graph
+from autoopt.cost_model import CostCache, CostModel
+from autoopt.cost_model.isolation import is_read_only, mark_read_only, preserved
+from autoopt.driver import copy_graph_module
+from autoopt.passes import PassContext, merge_linear, packed_linear
+from autoopt.verify import compare
+
+merge_linear_module = importlib.import_module("autoopt.passes.merge_linear")
+packed_linear_module = importlib.import_module("autoopt.passes.packed_linear")
+
+_MIB = 2**20
+
+needs_peak = pytest.mark.skipif(not memory_profile.reset_peak_rss(),
+                                reason="the OS does not let a process reset its peak RSS "
+                                       "(/proc/self/clear_refs, Linux)")
+
+
+class Attention(nn.Module):
+    """Q/K/V projections on one input (merge_linear's group) and an output projection."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.o = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        return self.o(torch.softmax(q @ k.transpose(-1, -2), -1) @ v)
+
+
+def _export(model: nn.Module, x: torch.Tensor) -> torch.fx.GraphModule:
+    with torch.no_grad():
+        return export_graph(model.eval(), (x,), {})
+
+
+def _peak_growth(fn: object) -> int:
+    with memory_profile.recording() as stages, memory_profile.stage("probe"):
+        fn()  # type: ignore[operator]
+    growth = stages[0].growth
+    assert growth is not None
+    return growth
+
+
+# --- the memory profile -------------------------------------------------------------------
+
+
+def test_memory_profile_records_each_stage_of_optimize() -> None:
+    model, x = Attention().eval(), torch.randn(1, 8, 64)
+    with memory_profile.recording() as stages:
+        autoopt.optimize(model, (x,))
+    names = [s.name for s in stages]
+    assert names[0] == "eager probe" and "capture export" in names
+    assert {"torch.export", "pass merge_linear", "pass packed_linear", "verify",
+            "backend choice"} <= set(names)
+    nested = next(s for s in stages if s.name == "pass merge_linear")
+    assert nested.depth == 1 and nested.before > 0 and nested.after > 0
+    if memory_profile.reset_peak_rss():
+        assert all(s.peak is not None and s.peak >= max(s.before, s.after) for s in stages)
+    assert "pass merge_linear" in memory_profile.describe(stages)
+
+
+def test_without_a_recording_stages_record_nothing() -> None:
+    with memory_profile.stage("nothing"):
+        pass
+    with memory_profile.recording() as stages:
+        pass
+    assert stages == []
+
+
+# --- verification -------------------------------------------------------------------------
+
+
+@needs_peak
+def test_comparing_a_large_output_does_not_copy_it_whole_in_float64() -> None:
+    """An LM's logits (1 x 128 x 32000) were compared as whole float64 copies with masks and
+    differences: 900 MiB at once for a 64 MiB output."""
+    expected = torch.randn(16 * _MIB // 4 * 4)  # 64 MiB of float32
+    actual = expected + 1e-7
+    result = None
+
+    def run() -> None:
+        nonlocal result
+        result = compare(expected, actual)
+
+    growth = _peak_growth(run)
+    assert result is not None and result.ok
+    assert growth < 96 * _MIB, f"compare grew {growth / _MIB:.0f} MiB for a 64 MiB output"
+
+
+def test_chunked_comparison_finds_the_worst_element_anywhere() -> None:
+    expected = torch.zeros(3 * 2**20 + 5)
+    actual = expected.clone()
+    actual[2**20 + 7] = 0.5
+    actual[3 * 2**20 + 2] = 0.25
+    result = compare(expected, actual)
+    assert not result.ok and "worst element 0.5 vs expected 0" in result.detail
+    assert result.max_abs_error == 0.5
+    nan = expected.clone()
+    nan[-1] = float("nan")
+    assert "NaN in different places" in compare(expected, nan).detail
+
+
+@needs_peak
+def test_runs_do_not_copy_the_constants_passes_made() -> None:
+    """Verification runs under ``preserved``, which copies every buffer to put it back: the
+    merged and folded weights passes add were copied on every run."""
+    module = nn.Module()
+    module.register_buffer("constant", mark_read_only(torch.ones(16 * _MIB)))  # 64 MiB
+    module.register_buffer("statistic", torch.zeros(4))
+
+    def run() -> None:
+        with preserved(module):
+            module.statistic.add_(1)
+
+    assert _peak_growth(run) < 32 * _MIB
+    assert bool((module.statistic == 0).all())  # the others are still put back
+    assert is_read_only(module.constant) and not is_read_only(module.statistic)
+
+
+def test_merged_weights_are_read_only_constants() -> None:
+    gm = _export(Attention(), torch.randn(1, 8, 64))
+    assert merge_linear(gm, PassContext()).modified
+    merged = [b for n, b in gm.named_buffers() if n.startswith("merged_linear")]
+    assert merged and all(is_read_only(b) for b in merged)
+
+
+# --- measured choices ---------------------------------------------------------------------
+
+
+def test_a_cached_choice_to_keep_linears_separate_stacks_no_weights(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoder's repeated layers share one measured choice: the stacked copy of each group's
+    weights was made for every group, measured or not."""
+    calls = []
+    stacked = merge_linear_module._stacked
+    monkeypatch.setattr(merge_linear_module, "_stacked",
+                        lambda *a: calls.append(1) or stacked(*a))
+    cost = CostModel("cpu", cache=CostCache(tmp_path / "costs.json"))
+    what = "linear_group|(1, 8, 64)|[(64, 64), (64, 64), (64, 64)]|torch.float32|" \
+           "bias=[True, True, True]"
+    cost.cache.put(cost._fastest_key(what, ["merged", "separate"]),
+                   {"merged": 2.0, "separate": 1.0})
+    result = merge_linear(_export(Attention(), torch.randn(1, 8, 64)), PassContext(cost=cost))
+    assert result.counts == {"kept_separate": 1}
+    assert calls == []
+
+
+@pytest.mark.skipif(len(packed_linear_module.kernels(torch.device("cpu"))) < 2,
+                    reason="needs both packed kernels (MKL and oneDNN) in this build")
+def test_a_cached_kernel_choice_packs_only_the_winner(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    packs = []
+    pack = packed_linear_module.PackedLinear._pack
+    monkeypatch.setattr(packed_linear_module.PackedLinear, "_pack",
+                        lambda self: packs.append(self.kernel) or pack(self))
+    cost = CostModel("cpu", cache=CostCache(tmp_path / "costs.json"))
+    names = ["mkl_packed", "onednn_packed", "aten"]
+    what = "linear|(8, 64)|(64, 64)|torch.float32|bias=True"
+    cost.cache.put(cost._fastest_key(what, names),
+                   {"mkl_packed": 2.0, "onednn_packed": 1.0, "aten": 3.0})
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)).eval()
+    result = packed_linear(_export(model, torch.randn(8, 64)), PassContext(cost=cost))
+    assert result.counts["onednn"] == 2
+    assert packs == ["onednn", "onednn"]
+
+
+# --- copies of the graph ------------------------------------------------------------------
+
+
+def test_a_rollback_copy_shares_the_weights() -> None:
+    """Each pass works on a copy, kept for rollback: the copy is a new graph over the same
+    tensors, never a copy of the weights."""
+    gm = _export(Attention(), torch.randn(1, 8, 64))
+    copy = copy_graph_module(gm)
+    assert copy.graph is not gm.graph
+    originals = {n: t.data_ptr() for n, t in gm.state_dict().items()}
+    assert {n: t.data_ptr() for n, t in copy.state_dict().items()} == originals
