@@ -164,3 +164,32 @@ def test_writes_after_the_module_took_its_own_memory_are_still_seen() -> None:
     fast.module.linear.weight.data.mul_(0.5)  # through .data: seen by the fingerprint
     twin.linear.weight.data.mul_(0.5)
     torch.testing.assert_close(fast(x), twin(x))
+
+
+@pytest.mark.gpu
+def test_modules_on_two_devices_called_interleaved() -> None:
+    """CUDA variants (their own copies on the device) and CPU variants of one model."""
+    model, args, kwargs = model_zoo.bert()
+    counting = RunningMean().eval()
+    x = torch.randn(4, 8)
+    versions = (_versions(model), _versions(counting))
+    fasts = {"a": autoopt.optimize(model, args, kwargs, precision="bf16", device="cuda"),
+             "b": autoopt.optimize(model, args, kwargs, precision="int8"),
+             "c": autoopt.optimize(counting, (x,), device="cuda"),
+             "d": autoopt.optimize(counting, (x,))}
+    twins = {"c": copy.deepcopy(counting).cuda(), "d": copy.deepcopy(counting)}
+    on_cuda = {k: v.cuda() for k, v in kwargs.items()}
+    with torch.no_grad():
+        expected = model(*args, **kwargs).last_hidden_state
+        for order in ("abcd", "dcba", "bdac", "cadb", "acbd"):
+            for key in order:
+                if key == "a":
+                    out = fasts[key](args[0].cuda(), **on_cuda).last_hidden_state
+                    _close(out.cpu(), expected, 2e-2)
+                elif key == "b":
+                    _close(fasts[key](*args, **kwargs).last_hidden_state, expected, 5e-2)
+                else:
+                    inputs = x.cuda() if key == "c" else x
+                    _close(fasts[key](inputs).cpu(), twins[key](inputs).cpu(), 1e-3)
+    assert {k: _captures(f) for k, f in fasts.items()} == {k: 1 for k in fasts}
+    assert (_versions(model), _versions(counting)) == versions
