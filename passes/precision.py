@@ -296,6 +296,10 @@ class _Measure:
         return worst
 
     def _run(self, interpreter: Interpreter, inputs: tuple[Any, ...]) -> list[Any]:
+        # Each run on its own copies: a graph that writes an input in place (a KV cache
+        # written at its position, a step counter) would otherwise see the previous run's
+        # writes, and the runs would not compute the same thing.
+        inputs = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
         with torch.no_grad(), torch.random.fork_rng(), _quiet():
             torch.manual_seed(0)  # dropout in training draws the same masks each run
             out = interpreter.run(*inputs)

@@ -564,3 +564,34 @@ def test_bf16_on_a_cpu_without_fast_bf16_is_skipped_with_a_note(
     assert fast.report.captures[0].precision is None
     assert any("no fast bf16 matmul" in w for w in fast.report.warnings)
     torch.testing.assert_close(fast(x), model(x))
+
+
+class _WritesItsPosition(nn.Module):
+    """Writes an input in place like a KV cache step: the position advances each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.table = nn.Parameter(torch.randn(6, 16))
+
+    def forward(self, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        row = self.table.index_select(0, position)
+        position.add_(1)
+        return self.fc(x + row)
+
+
+def test_measuring_runs_do_not_see_each_other_s_input_writes() -> None:
+    """The precision pass ran its measuring runs on the same input tensors, so an input the
+    graph advances in place (a cache position) ran past its table after a few runs and the
+    pass failed (IndexError) instead of measuring."""
+    model, x, position = _WritesItsPosition().eval(), torch.randn(4, 16), torch.tensor([3])
+    fast = autoopt.optimize(model, (x, position), precision="bf16")
+    record = next(p for p in fast.report.captures[0].passes if p.name == "precision")
+    assert record.status == "applied", record
+    assert position.item() == 3  # optimize never writes the example inputs
+    want_position, got_position = torch.tensor([3]), torch.tensor([3])
+    with torch.no_grad():
+        expected = model(x, want_position)
+        actual = fast(x, got_position)
+    torch.testing.assert_close(actual, expected, atol=0.05, rtol=0.05)
+    assert got_position.item() == want_position.item() == 4
