@@ -158,7 +158,7 @@ def portable_spec(spec: pytree.TreeSpec, types: tuple[type, ...]) -> pytree.Tree
         return spec
     kind = Rebuilt if spec.type in types else spec.type
     return pytree.TreeSpec(kind, spec.context,
-                           [portable_spec(c, types) for c in spec.children_specs])
+                           [portable_spec(c, types) for c in spec.children()])
 
 
 def make_portable(gm: GraphModule, types: tuple[type, ...]) -> GraphModule:

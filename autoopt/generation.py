@@ -1,0 +1,233 @@
+"""``OptimizedModule.generate``: Hugging Face generation through autoopt's graphs.
+
+Autoregressive decoding reads every weight once per token and launches hundreds of small
+kernels per step. ``transformers``' own ``generate`` keeps driving the loop — logits
+processors, greedy or seeded sampling, stopping on ``eos``, padding, ``max_new_tokens`` — so
+the result is what ``model.generate`` returns for the same arguments; only the model call of
+each step is autoopt's:
+
+- the KV cache is static (``cache_implementation="static"``: preallocated to the maximum
+  length and written in place at each step's position), so every decode step has the same
+  shapes and one graph, captured, optimized and verified once, serves every step of every
+  call with that batch size and maximum length;
+- that graph (``_Step``: the model called on a cache rebuilt around the step's cache tensors,
+  which it writes in place) goes through ``autoopt.optimize`` with the options the module was
+  optimized with: the graph passes (``merge_linear`` for Q/K/V and gate/up, ``attention``),
+  ``precision=`` (``"int8"``: weights stored in int8, read once per token), the measured
+  backend, CUDA graphs on a GPU;
+- the prompt (prefill) step runs the same way once the cache holds its tensors; the first
+  step of a call, which allocates them, runs eagerly.
+
+The cache object is taken apart with ``capture.objects`` (its tensors become graph inputs, its
+other attributes ride along in the spec), so no ``transformers`` type is registered anywhere.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .capture import objects
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GenerationStats", "generate"]
+
+
+@dataclass
+class GenerationStats:
+    """What the last ``generate`` call ran: steps through autoopt's graphs and eagerly."""
+
+    graph_steps: int = 0
+    eager_steps: int = 0
+    seconds: float = 0.0
+    note: str = ""
+
+    def __str__(self) -> str:
+        text = (f"generate: {self.graph_steps} step(s) through autoopt graphs, "
+                f"{self.eager_steps} eager, {self.seconds:.2f} s")
+        return text + (f" ({self.note})" if self.note else "")
+
+
+class _Step(nn.Module):
+    """One model call of the generation loop with the cache as plain tensors.
+
+    ``forward(cache_tensors, **inputs)`` rebuilds a cache object of the recorded structure
+    around ``cache_tensors`` (which the model writes in place at the step's position) and
+    returns the logits.
+    """
+
+    def __init__(self, model: nn.Module, cache_spec: pytree.TreeSpec, cache_name: str) -> None:
+        super().__init__()
+        self.model = model
+        self.cache_spec = cache_spec
+        self.cache_name = cache_name
+
+    def forward(self, cache_tensors: list[torch.Tensor], **inputs: Any) -> torch.Tensor:
+        cache = pytree.tree_unflatten(cache_tensors, self.cache_spec)
+        out = self.model(**inputs, **{self.cache_name: cache})
+        return out.logits if hasattr(out, "logits") else out[0]
+
+
+class _Stepper:
+    """The forward ``generate`` calls: autoopt's graph where the cache is allocated, the
+    model's own forward where not (the step that allocates it)."""
+
+    def __init__(self, optimized: Any, eager_forward: Callable[..., Any],
+                 stats: GenerationStats) -> None:
+        self._optimized = optimized
+        self._eager = eager_forward
+        self._stats = stats
+        # generate reads the forward's signature to decide what to pass (position ids, which
+        # logits to keep): it must see the model's own.
+        self.__signature__ = inspect.signature(eager_forward)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from transformers.cache_utils import Cache
+
+        found = [(k, v) for k, v in kwargs.items() if isinstance(v, Cache)]
+        if args or len(found) != 1:
+            self._stats.eager_steps += 1
+            return self._eager(*args, **kwargs)
+        name, cache = found[0]
+        if not _allocated(cache):
+            self._optimized.allocate(cache)  # as the first call's cache was, if known
+        if not _allocated(cache):
+            self._stats.eager_steps += 1
+            out = self._eager(*args, **kwargs)
+            self._optimized.remember_layout(cache)
+            return out
+        tensors, spec = objects.flatten(cache)
+        if not all(isinstance(t, torch.Tensor) for t in tensors):
+            self._stats.eager_steps += 1
+            return self._eager(*args, **kwargs)
+        inputs = {k: v for k, v in kwargs.items() if k != name and v is not None}
+        inputs.setdefault("return_dict", True)
+        step = self._optimized.step_for(spec, name, tensors, inputs)
+        logits = step(tensors, **inputs)
+        self._stats.graph_steps += 1
+        return _Output(logits=logits, cache=cache, past_key_values=cache)
+
+
+class _Output(dict):
+    """What ``generate`` reads of a model output: ``logits`` and the cache, by attribute or
+    key (``cache`` in transformers 5, ``past_key_values`` before)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _allocated(cache: Any) -> bool:
+    """Whether every layer of a static cache holds its tensors (the first update of a
+    transformers ``StaticLayer`` allocates them: Python state a graph cannot replay)."""
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return False
+    return all(getattr(layer, "is_initialized", False)
+               and isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in layers)
+
+
+class Generator:
+    """The decode/prefill graphs of one ``OptimizedModule``: one optimized ``_Step`` module
+    per cache structure (batch size, maximum length, dtype), each holding a graph per input
+    signature (prefill per prompt length, decode)."""
+
+    def __init__(self, optimized: Any) -> None:
+        self._optimized = optimized
+        self._steps: dict[Any, Any] = {}
+        self._layout: list[tuple[Any, ...]] = []
+        self.stats = GenerationStats()
+
+    def remember_layout(self, cache: Any) -> None:
+        """Record the shapes the model's first step gave each cache layer (heads, head
+        sizes, dtype), so the next call's cache is allocated before its prompt step and
+        that step runs through a graph too."""
+        if _allocated(cache):
+            self._layout = [(type(layer), layer.keys.shape, layer.values.shape,
+                             layer.keys.dtype, layer.keys.device) for layer in cache.layers]
+
+    def allocate(self, cache: Any) -> None:
+        layers = getattr(cache, "layers", None)
+        if not self._layout or not layers or len(layers) != len(self._layout):
+            return
+        for layer, (kind, keys, *_) in zip(layers, self._layout,
+                                                               strict=True):
+            if type(layer) is not kind or not hasattr(layer, "lazy_initialization") or \
+                    getattr(layer, "max_cache_len", None) != keys[2]:
+                return
+        for layer, (_, keys, values, dtype, device) in zip(layers, self._layout, strict=True):
+            layer.lazy_initialization(
+                torch.empty((keys[0], keys[1], 0, keys[3]), dtype=dtype, device=device),
+                torch.empty((values[0], values[1], 0, values[3]), dtype=dtype, device=device))
+
+    def step_for(self, spec: pytree.TreeSpec, name: str, tensors: list[torch.Tensor],
+                 inputs: Mapping[str, Any]) -> Any:
+        from .api import optimize
+
+        key = (str(spec), name, tuple((t.shape, t.dtype, t.device) for t in tensors))
+        step = self._steps.get(key)
+        if step is None:
+            started = time.perf_counter()
+            log.info("generate: capturing a step graph for a cache of %d tensors",
+                     len(tensors))
+            model = _Step(self._optimized.module, spec, name).eval()
+            step = optimize(model, (tensors,), dict(inputs), config=self._optimized.config,
+                            training=False)
+            log.info("generate: step graph ready in %.1f s", time.perf_counter() - started)
+            self._steps[key] = step
+        return step
+
+    @property
+    def reports(self) -> list[Any]:
+        return [step.report for step in self._steps.values()]
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._optimized.module
+        if not hasattr(module, "generate"):
+            raise ConfigError(f"generate: {type(module).__name__} has no generate method; "
+                              f"autoopt runs transformers' generation loop, which causal "
+                              f"language models (GenerationMixin) have.")
+        if module.training:
+            raise ConfigError("generate: the model is in train mode; optimize it in eval mode "
+                              "(model.eval()) to generate.")
+        if kwargs.get("cache_implementation", "static") != "static" or \
+                kwargs.get("past_key_values") is not None:
+            raise ConfigError("generate: autoopt decodes with a static KV cache, one graph for "
+                              "every step; drop cache_implementation= and past_key_values= "
+                              "(or call the model's own generate for another cache).")
+        if not getattr(module, "_can_compile_fullgraph", True):
+            raise ConfigError(f"generate: {type(module).__name__} does not support a static "
+                              f"KV cache in this transformers version, which autoopt's "
+                              f"decoding graphs need; call model.generate instead.")
+        kwargs["cache_implementation"] = "static"
+        self.stats = GenerationStats()
+        started = time.perf_counter()
+        driver = copy.copy(module)  # shares submodules and weights; its own forward
+        driver.forward = _Stepper(self, module.forward, self.stats)
+        with torch.no_grad():
+            result = driver.generate(*args, **kwargs)
+        self.stats.seconds = time.perf_counter() - started
+        log.info("%s", self.stats)
+        return result
+
+
+def generate(optimized: Any, *args: Any, **kwargs: Any) -> Any:
+    """``optimized.generate(...)``: see the module docstring."""
+    generator = optimized.__dict__.get("_generator")
+    if generator is None:
+        generator = Generator(optimized)
+        optimized.__dict__["_generator"] = generator
+    return generator.generate(*args, **kwargs)

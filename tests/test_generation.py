@@ -1,0 +1,129 @@
+"""``OptimizedModule.generate``: transformers' generation loop, each step through autoopt's
+graphs over a static KV cache; the same tokens as ``model.generate`` for the same arguments."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+import transformers
+from checks import assert_bit_identical, snapshot
+from torch import nn
+
+import autoopt
+from autoopt.errors import ConfigError
+
+transformers.logging.set_verbosity_error()
+
+_VOCAB = 128
+
+
+def _gpt2() -> nn.Module:
+    config = transformers.GPT2Config(vocab_size=_VOCAB, n_embd=32, n_layer=2, n_head=4,
+                                     n_positions=64, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def _llama() -> nn.Module:
+    config = transformers.LlamaConfig(vocab_size=_VOCAB, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64,
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+MODELS = {"gpt2": _gpt2, "llama": _llama}
+
+
+def _prompt(batch: int = 1, length: int = 6) -> torch.Tensor:
+    return torch.randint(1, _VOCAB, (batch, length))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_greedy_tokens_and_scores_are_eager_s(name: str) -> None:
+    model = MODELS[name]()
+    ids = _prompt()
+    before = snapshot(model)
+    fast = autoopt.optimize(model, (ids,))
+    options = dict(max_new_tokens=6, do_sample=False, output_scores=True,
+                   return_dict_in_generate=True)
+    got = fast.generate(ids, **options)
+    want = model.generate(ids, **options)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    stats = fast._generator.stats
+    assert stats.graph_steps == 5 and stats.eager_steps == 1  # the first prompt allocates
+    # The next call: its prompt step runs through a graph too (captured once, for this
+    # prompt length), and the call after that captures nothing.
+    again = fast.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(again, want.sequences)
+    assert fast._generator.stats.eager_steps == 0
+    captures = [len(r.captures) for r in fast._generator.reports]
+    assert captures == [2]  # decode, prefill: one step module, two input signatures
+    assert torch.equal(fast.generate(ids, max_new_tokens=6, do_sample=False), want.sequences)
+    assert [len(r.captures) for r in fast._generator.reports] == captures
+    assert all(r.captures[0].method == "export" for r in fast._generator.reports)
+    assert_bit_identical(model, before)
+    assert "forward" not in vars(model)
+
+
+def test_padded_batch_sampling_and_eos_match_eager() -> None:
+    model = _llama()
+    ids = _prompt(batch=3, length=7)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding, as generate expects
+    mask[2, :1] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    fast = autoopt.optimize(model, (ids,), {"attention_mask": mask})
+    for options in (dict(do_sample=False), dict(do_sample=True, top_k=20, temperature=0.8)):
+        for _ in range(2):
+            torch.manual_seed(11)
+            got = fast.generate(ids, attention_mask=mask, max_new_tokens=5, **options)
+            torch.manual_seed(11)
+            want = model.generate(ids, attention_mask=mask, max_new_tokens=5, **options)
+            assert torch.equal(got, want), options
+    # Stopping on eos: pick the first token eager produces for row 0 as eos.
+    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    eos = int(greedy[0, ids.shape[1] + 1])
+    got = fast.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                        eos_token_id=eos)
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                          eos_token_id=eos)
+    assert torch.equal(got, want)
+
+
+def test_int8_decodes_through_the_graph() -> None:
+    model = _gpt2()
+    ids = _prompt()
+    fast = autoopt.optimize(model, (ids,), precision="int8")
+    got = fast.generate(ids, max_new_tokens=4, do_sample=False)
+    assert got.shape == (1, ids.shape[1] + 4)
+    assert fast._generator.stats.graph_steps == 3
+    passes = fast._generator.reports[0].captures[0].passes
+    precision = next(p for p in passes if p.name == "precision")
+    assert precision.status == "applied", precision
+
+
+def test_what_generate_cannot_do_is_an_error() -> None:
+    linear = autoopt.optimize(nn.Linear(4, 4).eval(), (torch.randn(2, 4),))
+    with pytest.raises(ConfigError, match="no generate method"):
+        linear.generate(torch.randn(2, 4))
+    model, ids = _gpt2(), _prompt()
+    fast = autoopt.optimize(model, (ids,))
+    with pytest.raises(ConfigError, match="static KV cache"):
+        fast.generate(ids, max_new_tokens=2, cache_implementation="dynamic")
+    trained = autoopt.optimize(copy.deepcopy(model).train(), (ids,))
+    with pytest.raises(ConfigError, match="train mode"):
+        trained.generate(ids, max_new_tokens=2)
+
+
+def test_a_pickled_module_generates_after_loading() -> None:
+    model, ids = _gpt2(), _prompt()
+    fast = autoopt.optimize(model, (ids,))
+    fast.generate(ids, max_new_tokens=3, do_sample=False)
+    loaded = pickle.loads(pickle.dumps(fast))
+    got = loaded.generate(ids, max_new_tokens=3, do_sample=False)
+    assert torch.equal(got, model.generate(ids, max_new_tokens=3, do_sample=False))
