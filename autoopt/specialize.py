@@ -36,9 +36,11 @@ from .passes import PassContext
 from .report import CaptureRecord, PassRecord, Report
 from .runtime import cuda_graphs
 from .state import (
+    ABSENT,
     HookKey,
     StateKey,
     assign_attributes,
+    attribute_copies,
     attribute_values,
     changed_state,
     has_hooks,
@@ -189,7 +191,7 @@ class Capturer:
         # On copies of the buffers: a forward that writes them must not write memory this
         # module may still share with the user's model (see on_state_write).
         with own_buffers(self.module) as copies, preserved(self.module):
-            before = python_state(self.module)
+            before, initial = python_state(self.module), attribute_copies(self.module)
             tensors = [t for t in (*self.module.parameters(), *self.module.buffers())
                        if not t.is_inference()]
             versions = [t._version for t in tensors]
@@ -199,7 +201,8 @@ class Capturer:
             changed = changed_state(before, python_state(self.module))
             installed = hook_keys(self.module) - hooks
             if changed or installed:
-                why, kept = self._first_call_only(args, kwargs, out, changed, copies)
+                why, kept = self._first_call_only(args, kwargs, out, changed, copies,
+                                                  initial)
                 if why:
                     obstacles.append(why)
             if torch.is_grad_enabled() and uses_custom_autograd(out):
@@ -232,10 +235,13 @@ class Capturer:
 
     def _first_call_only(self, args: tuple[Any, ...], kwargs: dict[str, Any], first: Any,
                          changed: list[StateKey], copies: list[torch.Tensor],
+                         initial: dict[StateKey, Any],
                          ) -> tuple[str, dict[StateKey, Any] | None]:
         """Call once more, after the probe's first call wrote ``changed`` (or installed
         hooks): the write is one a graph can own if this call writes nothing and computes
-        what the first did. Returns why not, or the state to keep."""
+        what the first did, and if a first call on other inputs (from the ``initial``
+        state) writes the same values: a cache of the example's own values would make the
+        graph replay them for every input. Returns why not, or the state to keep."""
         names = state_names(changed)
         what = f"forward changes Python state ({names})" if changed else "forward adds hooks"
         expected = {p: v.detach().clone() if isinstance(v, torch.Tensor) else v
@@ -262,7 +268,31 @@ class Capturer:
             return f"{what}, keeping tensors with gradient history", None
         if {id(v) for v in held} & {id(c) for c in copies}:
             return f"{what}, keeping a buffer itself", None
+        elsewhere = self._first_call_on_other_inputs(args, kwargs, changed, initial)
+        if elsewhere is not None:
+            result = compare(_state_values(kept), elsewhere, self._config.verification_tolerances)
+            if not result.ok:
+                return f"{what} from its inputs: a first call on other inputs writes " \
+                       f"other values ({result.detail})", None
         return "", kept
+
+    def _first_call_on_other_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                                    changed: list[StateKey], initial: dict[StateKey, Any],
+                                    ) -> dict[str, Any] | None:
+        """The values a first call on fresh random inputs writes into ``changed``, or None
+        where eager rejects those inputs. Leaves no trace: state and hooks are put back."""
+        hooks = hook_keys(self.module)
+        with preserved(self.module):
+            assign_attributes(self.module, {k: initial.get(k, ABSENT) for k in changed})
+            try:
+                fresh_args, fresh_kwargs = input_sets(args, kwargs, 1)[1]
+                self._probe_call(fresh_args, fresh_kwargs)
+                values = _state_values(attribute_values(self.module, changed))
+            except ModelError:
+                values = None  # an input set eager rejects says nothing
+            finally:
+                remove_hooks(self.module, hook_keys(self.module) - hooks)
+        return values
 
     # --- capture methods, tried in config.capture order -----------------------------------
 
@@ -480,6 +510,12 @@ class Capturer:
         if "sets" not in reference:  # the same input objects each call, so ids key the memo
             reference["sets"] = input_sets(args, kwargs, self._config.random_inputs)
         return check_all(run_pair, reference["sets"], self._config.verification_tolerances)
+
+
+def _state_values(values: dict[StateKey, Any]) -> dict[str, Any]:
+    """The leaves of kept Python state, tensors copied: what two first calls compare."""
+    return {p: v.detach().clone() if isinstance(v, torch.Tensor) else v
+            for p, v in _leaves(list(values.values()), "state")}
 
 
 class _Mismatch(Exception):

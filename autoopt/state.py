@@ -18,12 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .cost_model.isolation import _MODULE_INTERNALS, _freeze, preserved
+from .cost_model.isolation import _MODULE_INTERNALS, _copy_attribute, _freeze, preserved
 
-__all__ = ["HookKey", "StateKey", "assign_attributes", "attribute_values", "changed_state",
-           "has_hooks", "hook_keys",
-           "own_buffers", "preserved", "python_state", "remove_hooks", "state_names",
-           "uses_custom_autograd"]
+__all__ = ["ABSENT", "HookKey", "StateKey", "assign_attributes", "attribute_copies",
+           "attribute_values", "changed_state", "has_hooks", "hook_keys", "own_buffers",
+           "preserved", "python_state", "remove_hooks", "state_names", "uses_custom_autograd"]
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 # Where a hook's options live, under the hook's handle id.
@@ -88,19 +87,25 @@ def state_names(keys: list[StateKey], limit: int = 3) -> str:
     return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
 
 
-_ABSENT = object()
+ABSENT = object()  # attribute_values' marker for an attribute that is not set
 
 
 def attribute_values(module: nn.Module, keys: list[StateKey]) -> dict[StateKey, Any]:
     """The objects these attributes hold now (a marker for a deleted one), by reference."""
-    return {(p, k): vars(module.get_submodule(p)).get(k, _ABSENT) for p, k in keys}
+    return {(p, k): vars(module.get_submodule(p)).get(k, ABSENT) for p, k in keys}
+
+
+def attribute_copies(module: nn.Module) -> dict[StateKey, Any]:
+    """Every attribute ``python_state`` sees, containers copied (as ``preserved`` keeps
+    them), so that ``assign_attributes`` can put them back after a call changed them."""
+    return {(p, k): _copy_attribute(v) for p, k, v in _user_attributes(module)}
 
 
 def assign_attributes(module: nn.Module, values: dict[StateKey, Any]) -> None:
     """Put ``attribute_values``' objects back in place (deleting the deleted ones)."""
     for (p, k), value in values.items():
         namespace = vars(module.get_submodule(p))
-        if value is _ABSENT:
+        if value is ABSENT:
             namespace.pop(k, None)
         else:
             namespace[k] = value

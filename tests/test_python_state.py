@@ -78,6 +78,20 @@ class WarmsUp(nn.Module):
         return y * 2
 
 
+class FirstInputCache(nn.Module):
+    """Caches a value computed from its first input, reused for every later input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.center: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.center is None:
+            self.center = x.mean(0)
+        return self.linear(x - self.center)
+
+
 def _check(model: nn.Module, x: torch.Tensor, calls: int = 3) -> autoopt.OptimizedModule:
     """Optimize ``model`` and call it next to an eager copy: same outputs, and the user's
     model's Python state and hooks as they were, after optimize and after the calls."""
@@ -125,6 +139,19 @@ def test_a_first_call_that_computes_differently_keeps_the_graph_out() -> None:
     assert capture.method == "dynamo"
     reasons = [why for method, why in capture.attempts if method == "export"]
     assert reasons and "computes differently" in reasons[0], reasons
+
+
+def test_a_first_call_that_caches_its_inputs_keeps_the_graph_out() -> None:
+    """Calls with the example inputs alone cannot tell this from a cache of parameters: a
+    first call on other inputs writes other values."""
+    model = FirstInputCache().eval()
+    state = python_state(model)
+    fast = autoopt.optimize(model, (torch.randn(4, 8),))
+    capture = fast.report.captures[0]
+    assert capture.method == "dynamo"
+    reasons = [why for method, why in capture.attempts if method == "export"]
+    assert reasons and "from its inputs" in reasons[0], reasons
+    assert python_state(model) == state
 
 
 @pytest.mark.slow
