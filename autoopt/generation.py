@@ -91,6 +91,16 @@ class _Stepper:
         # generate reads the forward's signature to decide what to pass (position ids, which
         # logits to keep): it must see the model's own.
         self.__signature__ = inspect.signature(eager_forward)
+        self._last: tuple[Any, ...] | None = None
+
+    def _flat(self, cache: Any) -> tuple[list[Any], pytree.TreeSpec]:
+        """The cache's tensors and structure, taken apart once per cache object (a static
+        cache keeps its tensors from step to step; ~0.6 ms a step otherwise)."""
+        keys = [layer.keys for layer in cache.layers]
+        if self._last is None or self._last[0] is not cache or any(
+                a is not b for a, b in zip(self._last[1], keys, strict=True)):
+            self._last = (cache, keys, *objects.flatten(cache))
+        return self._last[2], self._last[3]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from transformers.cache_utils import Cache
@@ -107,7 +117,7 @@ class _Stepper:
             out = self._eager(*args, **kwargs)
             self._optimized.remember_layout(cache)
             return out
-        tensors, spec = objects.flatten(cache)
+        tensors, spec = self._flat(cache)
         if not all(isinstance(t, torch.Tensor) for t in tensors):
             self._stats.eager_steps += 1
             return self._eager(*args, **kwargs)
@@ -163,8 +173,7 @@ class Generator:
         layers = getattr(cache, "layers", None)
         if not self._layout or not layers or len(layers) != len(self._layout):
             return
-        for layer, (kind, keys, *_) in zip(layers, self._layout,
-                                                               strict=True):
+        for layer, (kind, keys, *_) in zip(layers, self._layout, strict=True):
             if type(layer) is not kind or not hasattr(layer, "lazy_initialization") or \
                     getattr(layer, "max_cache_len", None) != keys[2]:
                 return

@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -420,3 +421,26 @@ def test_the_repository_root_read_by_path_hands_over_to_the_package(tmp_path: Pa
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True"
     assert autoopt.optimize  # and this process's package is untouched
+
+
+def test_generate_compares_eager_and_autoopt_decoding(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "lm.py"
+    source.write_text(textwrap.dedent("""
+        import transformers
+
+        def tiny_gpt2():
+            config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2,
+                                             n_positions=32, bos_token_id=0, eos_token_id=0)
+            return transformers.GPT2LMHeadModel(config)
+    """))
+    assert main(["generate", f"{source}:tiny_gpt2", "--prompt-len", "5", "--new", "4",
+                 "--batch", "2", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "prompt 5 tokens, 4 new, batch 2" in out
+    assert "tokens: the same as eager" in out
+    # (nan where a noisy machine timed the whole call under its first token)
+    assert re.search(r"autoopt +time to first token +[\d.]+ ms +decode +([\d.]+|nan) tokens/s",
+                     out)
+    assert main(["generate", f"{source}:tiny_gpt2", "--new", "0"]) == 2
+    assert "at least 1" in capsys.readouterr().err

@@ -9,12 +9,13 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import AutoOptError
-from . import diagnose, export, optimize, partition, profile, report, run
+from . import diagnose, export, generate, optimize, partition, profile, report, run
 from .progress import shown
 
 # In the order ``autoopt --help`` lists them.
 COMMANDS = {"optimize": optimize, "profile": profile, "export": export, "run": run,
-            "diagnose": diagnose, "report": report, "partition": partition}
+            "diagnose": diagnose, "report": report, "partition": partition,
+            "generate": generate}
 # Commands that draw their own progress bars (tqdm): a status line would fight them.
 _OWN_PROGRESS = {"diagnose", "report"}
 

@@ -1,0 +1,119 @@
+"""``autoopt generate``: decode with a causal language model, eager ``model.generate`` against
+``OptimizedModule.generate`` on the same random prompt, interleaved: time to first token,
+decode tokens/s, whether the tokens are the same, the weights' size."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..passes.precision import PRECISIONS
+from .common import add_common_arguments
+from .progress import output, stage
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("generate", help="decode with a causal LM: eager generate against "
+                                              "autoopt's, tokens/s and time to first token")
+    parser.add_argument("model", metavar="MODEL", help="package.module:factory or "
+                        "path/to/file.py:Name returning a transformers causal LM")
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (default 32)")
+    parser.add_argument("--new", type=int, default=128, help="new tokens (default 128)")
+    parser.add_argument("--batch", type=int, default=1, help="prompts per call (default 1)")
+    parser.add_argument("--precision", choices=PRECISIONS, default=None,
+                        help="autoopt's precision (int8: int8 weights; default fp32)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved timing rounds; medians are reported (default 3)")
+    add_common_arguments(parser)
+
+
+@dataclass
+class GenerationTiming:
+    """Medians over rounds: time to first token (a prompt step and one token), the whole
+    call, and decode tokens/s over the tokens after the first."""
+
+    first_token_s: float
+    total_s: float
+    batch: int
+    new_tokens: int
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decode = self.total_s - self.first_token_s
+        return self.batch * (self.new_tokens - 1) / decode if decode > 0 else float("nan")
+
+
+def time_generation(runners: dict[str, Callable[..., Any]], ids: torch.Tensor, new: int,
+                    rounds: int) -> dict[str, GenerationTiming]:
+    """Each runner is called like ``generate(ids, max_new_tokens=..., ...)``; greedy, with
+    ``min_new_tokens`` so every runner produces ``new`` tokens; interleaved rounds."""
+    for generate in runners.values():  # warm-up: allocations, lazy imports, first captures
+        generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)
+    first: dict[str, list[float]] = {name: [] for name in runners}
+    total: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, generate in runners.items():
+            for n, times in ((1, first[name]), (new, total[name])):
+                start = time.perf_counter()
+                generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+                times.append(time.perf_counter() - start)
+    return {name: GenerationTiming(statistics.median(first[name]),
+                                   statistics.median(total[name]), ids.shape[0], new)
+            for name in runners}
+
+
+def weight_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size()
+               for t in {id(t): t for t in (*model.parameters(), *model.buffers())}.values())
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..api import optimize
+    from .loading import load_model
+
+    if min(args.prompt_len, args.new, args.batch, args.rounds) < 1:
+        raise ConfigError("--prompt-len, --new, --batch and --rounds must be at least 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    stage(f"loading {args.model}")
+    model = load_model(args.model).eval()
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if not hasattr(model, "generate") or not vocab:
+        raise ConfigError(f"{args.model} is not a transformers causal language model (it has "
+                          f"no generate method or config.vocab_size)")
+    ids = torch.randint(1, vocab, (args.batch, args.prompt_len))
+    stage("optimizing: capture, passes, verification")
+    fast = optimize(model, (ids,), precision=args.precision)
+    stage("generating once: the prompt and decode steps are captured")
+    started = time.perf_counter()
+    tokens = fast.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new,
+                           do_sample=False)
+    fast.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+    warm = time.perf_counter() - started
+    eager_tokens = model.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new,
+                                  do_sample=False)
+    stage(f"timing {args.rounds} interleaved rounds")
+    timings = time_generation({"eager": model.generate, "autoopt": fast.generate}, ids,
+                              args.new, args.rounds)
+    output(f"prompt {args.prompt_len} tokens, {args.new} new, batch {args.batch}, "
+           f"{torch.get_num_threads()} thread(s); greedy; autoopt precision "
+           f"{args.precision or 'fp32'}")
+    for name, t in timings.items():
+        output(f"{name:8s} time to first token {t.first_token_s * 1e3:8.1f} ms   decode "
+               f"{t.decode_tokens_per_s:8.1f} tokens/s   whole call {t.total_s * 1e3:8.1f} ms")
+    ratio = timings["autoopt"].decode_tokens_per_s / timings["eager"].decode_tokens_per_s
+    output(f"decode speedup over eager: {ratio:.2f}x")
+    same = torch.equal(tokens, eager_tokens)
+    output(f"tokens: {'the same as eager' if same else 'differ from eager'}"
+           + ("" if same or args.precision is None else f" (precision {args.precision})"))
+    output(f"weights: {weight_bytes(model) / 2**20:.1f} MiB; first generate (captures "
+           f"included): {warm:.1f} s")
+    return 0
