@@ -13,10 +13,15 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import torch
+from torch import nn
 from torch.fx import GraphModule
 
 from . import memory_profile
+from .cost_model.isolation import is_read_only
 from .passes import LOWERING, PassContext, PassFn
+from .passes.graph import attr, fake_like, storage_id
+from .passes.merge_linear import MERGED_FROM
 from .report import PassRecord
 from .verify import VerifyResult
 
@@ -106,8 +111,96 @@ def _run(gm: GraphModule, passes: Sequence[tuple[str, PassFn]], ctx: PassContext
         records.append(PassRecord(name, "applied", dict(result.counts),
                                   time.perf_counter() - start))
     if before_lowering is not None and current is not before_lowering:
-        current.meta["portable"] = before_lowering
+        _drop_unread_constants(current)
+        current.meta["portable"] = _reads_packed_sources(before_lowering, current)
     return current, records
+
+
+def _drop_unread_constants(gm: GraphModule) -> None:
+    """Take out of ``gm`` the constants passes made (read-only) that no node reads any more:
+    a merged weight a lowering packed is held by the packed kernel's copy alone."""
+    for node in [n for n in gm.graph.nodes if n.op == "get_attr" and not n.users]:
+        value = attr(gm, node)
+        if isinstance(value, torch.Tensor) and is_read_only(value):
+            gm.graph.erase_node(node)
+    read = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    for name, value in list(gm.named_buffers(recurse=False)):
+        if name not in read and is_read_only(value):
+            delattr(gm, name)
+    gm.recompile()
+
+
+def _reads_packed_sources(portable_gm: GraphModule, lowered: GraphModule) -> GraphModule:
+    """``portable_gm``, where it holds a merged weight that ``lowered`` no longer reads (a
+    lowering packed it), reading that weight as the concatenation of the weights it stacks
+    instead: the graph kept for export then holds no copy of its own (export, Inductor and
+    ONNX Runtime fold the concatenation of constants). Otherwise ``portable_gm`` itself."""
+    held = {storage_id(t) for t in _tensors_read(lowered)}
+    nodes = [n for n in portable_gm.graph.nodes if n.op == "get_attr" and n.meta.get(MERGED_FROM)
+             and isinstance(attr(portable_gm, n), torch.Tensor)
+             and storage_id(attr(portable_gm, n)) not in held]
+    if not nodes:
+        return portable_gm
+    new = copy_graph_module(portable_gm)
+    by_name = {n.name: n for n in new.graph.nodes}
+    first = next(n for n in new.graph.nodes if n.op != "placeholder")
+    for old in nodes:
+        node = by_name[old.name]
+        sources = [(target, ref()) for target, ref in node.meta[MERGED_FROM]]
+        if any(t is None or not _has_or_sets(new, target, t) for target, t in sources):
+            continue  # a stacked weight is gone or shadowed: keep the merged copy
+        with new.graph.inserting_before(first):
+            parts = [new.graph.get_attr(target) for target, _ in sources]
+        for part, (_, t) in zip(parts, sources, strict=True):
+            part.meta["val"] = fake_like(new, t)
+        with new.graph.inserting_before(node):
+            cat = new.graph.call_function(torch.ops.aten.cat.default, (parts, 0))
+        cat.meta = {k: v for k, v in node.meta.items() if k != MERGED_FROM}
+        node.replace_all_uses_with(cat)
+        new.graph.erase_node(node)
+        if str(node.target) not in {str(n.target) for n in new.graph.nodes if n.op == "get_attr"}:
+            delattr(new, str(node.target))
+    new.recompile()
+    return new
+
+
+def _tensors_read(gm: GraphModule) -> list[torch.Tensor]:
+    """The tensors ``gm``'s nodes read: its ``get_attr`` constants and the weights lowered
+    kernels hold (``PackedLinear``, ``PackedConv``)."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = attr(gm, node)
+        elif node.op == "call_function":
+            value = getattr(node.target, "weight", None)
+        else:
+            continue
+        if isinstance(value, torch.Tensor) and not value.is_meta:
+            found.append(value)
+    return found
+
+
+def _has_or_sets(gm: GraphModule, target: str, tensor: torch.Tensor) -> bool:
+    """Whether ``gm`` has ``tensor`` at ``target``, putting it there if nothing is; False
+    where another value holds the name."""
+    *path, name = target.split(".")
+    owner: nn.Module = gm
+    for atom in path:
+        child = getattr(owner, atom, None)
+        if child is None:
+            child = nn.Module()
+            owner.add_module(atom, child)
+        if not isinstance(child, nn.Module):
+            return False
+        owner = child
+    current = getattr(owner, name, None)
+    if current is None:
+        if isinstance(tensor, nn.Parameter):
+            owner.register_parameter(name, tensor)
+        else:
+            owner.register_buffer(name, tensor)
+        return True
+    return current is tensor
 
 
 def _staged(check: Check) -> Check:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -28,6 +29,9 @@ from .graph import add_constant, call_kwargs, constant_tensor, meta_val
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
+
+# The ``get_attr`` node meta key naming what a merged weight stacks: ``[(target, weakref)]``.
+MERGED_FROM = "merged_from"
 
 
 def merge_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
@@ -54,7 +58,9 @@ def merge_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
             counts["kept_separate"] += 1
             continue
         weight, bias = _stacked(weights, biases)
-        _merge(gm, x, linears, weight, bias, [w.shape[0] for w in weights])
+        sources = [call_kwargs(node)["weight"] for node in linears]
+        _merge(gm, x, linears, weight, bias, [w.shape[0] for w in weights],
+               [(str(n.target), weakref.ref(w)) for n, w in zip(sources, weights, strict=True)])
         counts["merged_groups"] += 1
         counts["merged_linears"] += len(group)
     counts = {k: v for k, v in counts.items() if v}
@@ -104,10 +110,16 @@ def _stacked(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | No
 
 
 def _merge(gm: GraphModule, x: Node, linears: Sequence[Node], weight: torch.Tensor,
-           bias: torch.Tensor | None, sizes: list[int]) -> None:
+           bias: torch.Tensor | None, sizes: list[int],
+           sources: list[tuple[str, weakref.ref[torch.Tensor]]]) -> None:
     graph = gm.graph
     with graph.inserting_before(linears[0]):  # x and the weights exist by then
         w_node = add_constant(gm, "merged_linear_weight", weight)
+        # How to compute it again from the weights it stacks (their get_attr targets and
+        # tensors): where a lowering packs the merged weight, the graph kept for export reads
+        # it as a concatenation of those, so that only the packed copy is held
+        # (``autoopt.driver``).
+        w_node.meta[MERGED_FROM] = sources
         b_node = add_constant(gm, "merged_linear_bias", bias) if bias is not None else None
         wide = graph.call_function(aten.linear.default, (x, w_node, b_node))
         wide.meta["val"] = aten.linear.default(meta_val(x), w_node.meta["val"],

@@ -59,6 +59,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule, Node
 
+from autoopt.cost_model.isolation import is_read_only
+
 from . import ops
 from .base import PassContext, PassResult
 from .graph import attr, call_kwargs, constant_tensor, meta_val
@@ -77,19 +79,26 @@ class PackedLinear:
 
     ``kernel`` is ``"mkl"`` (MKL's packed sgemm) or ``"onednn"`` (oneDNN's linear on a
     weight reordered into its blocked layout). ``weight`` is in ``F.linear``'s layout
-    ``(out, in)``, possibly a transposed view of the model's own tensor (no copy). Packed weights
+    ``(out, in)``, possibly a transposed view of the model's own tensor (no copy); for a
+    weight a pass made (``derived``: a merged one), ``onednn`` keeps only its shape (a meta
+    tensor), its packed copy being all it reads. Packed weights
     are opaque (no storage) and derived from the model's weights, so a deep copy of the graph
     shares them. On meta or fake tensors (shape propagation, FLOP counting) it computes the same
     thing with ``F.linear``.
     """
 
-    def __init__(self, weight: torch.Tensor, rows: int, kernel: str = "mkl") -> None:
+    def __init__(self, weight: torch.Tensor, rows: int, kernel: str = "mkl",
+                 derived: bool = False) -> None:
         if kernel not in KERNELS:
             raise ValueError(f"packed_linear: no kernel {kernel!r} (known: {KERNELS})")
         self.kernel = kernel
         self.__name__ = f"{kernel}_linear"  # what FX prints and names the call's global
         self.weight, self.rows = weight, rows
         self.packed = self._pack()
+        if kernel == "onednn" and derived:
+            # oneDNN runs on the packed copy alone: holding a weight a pass made (a merged
+            # Q/K/V weight) would keep a second copy alive (the user's own costs nothing).
+            self.weight = weight.to("meta")
         self.threads = torch.get_num_threads()  # what the packing and the choice were made for
         # The cost model keys measurements by op name and argument shapes; the weight is bound
         # here, not an argument, so the name carries the kernel and the weight's shape
@@ -121,7 +130,8 @@ class PackedLinear:
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The same function in ATen, on the unpacked weight."""
-        return F.linear(x, self.weight, bias)
+        weight = self.packed.to_dense() if self.weight.is_meta else self.weight
+        return F.linear(x, weight, bias)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PackedLinear:
         return self
@@ -137,6 +147,7 @@ class _Linear:
     weight: torch.Tensor  # (out, in), as F.linear takes it
     bias: Node | None
     rows: int
+    derived: bool = False  # a constant a pass made (read-only), not the model's own weight
 
 
 def kernels(device: torch.device) -> tuple[str, ...]:
@@ -190,7 +201,7 @@ def packed_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
                 counts["linear_kept_aten"] += 1
                 continue
         else:
-            kernel = PackedLinear(linear.weight, linear.rows, default)
+            kernel = PackedLinear(linear.weight, linear.rows, default, linear.derived)
         with graph.inserting_before(node):
             fused = graph.call_function(kernel, (linear.input, linear.bias))
         fused.meta = dict(node.meta)
@@ -218,6 +229,7 @@ def _eligible(gm: GraphModule, node: Node) -> _Linear | None:
         return None
     if node.target in ops.LINEAR.aten:
         x, weight, bias = kw.get("input"), constant_tensor(gm, kw.get("weight")), kw.get("bias")
+        derived = weight is not None and is_read_only(weight)
     else:
         if kw.get("beta", 1) != 1 or kw.get("alpha", 1) != 1:
             return None
@@ -227,6 +239,7 @@ def _eligible(gm: GraphModule, node: Node) -> _Linear | None:
             x, bias = kw.get("input"), None
         rhs = constant_tensor(gm, kw.get("mat2"))
         weight = rhs.t() if rhs is not None else None  # a view: F.linear's layout, no copy
+        derived = rhs is not None and is_read_only(rhs)
     value = meta_val(x)
     if (weight is None or weight.dim() != 2 or weight.dtype != torch.float32
             or weight.is_mkldnn
@@ -242,7 +255,7 @@ def _eligible(gm: GraphModule, node: Node) -> _Linear | None:
     rows = math.prod(value.shape[:-1])
     if rows == 0:
         return None
-    return _Linear(node, x, weight.detach(), bias, rows)
+    return _Linear(node, x, weight.detach(), bias, rows, derived)
 
 
 def _choose(gm: GraphModule, ctx: PassContext, linear: _Linear,
@@ -259,7 +272,8 @@ def _choose(gm: GraphModule, ctx: PassContext, linear: _Linear,
     # (a decoder's repeated layers) only the winner is packed, and the losers' copies are
     # dropped on return.
     packed = {f"{k}_packed": functools.cache(
-        lambda k=k: PackedLinear(linear.weight, linear.rows, k)) for k in candidates}
+        lambda k=k: PackedLinear(linear.weight, linear.rows, k, linear.derived))
+        for k in candidates}
     runs: dict[str, Any] = {name: (lambda make=make: make()(x, bias))
                             for name, make in packed.items()}
     runs["aten"] = lambda: F.linear(x, linear.weight, bias)

@@ -21,7 +21,7 @@ from autoopt import memory_profile
 from autoopt.capture.graph import export_graph
 from autoopt.cost_model import CostCache, CostModel
 from autoopt.cost_model.isolation import is_read_only, mark_read_only, preserved
-from autoopt.driver import copy_graph_module
+from autoopt.driver import copy_graph_module, portable
 from autoopt.passes import PassContext, merge_linear, packed_linear
 from autoopt.verify import compare
 
@@ -195,3 +195,71 @@ def test_a_rollback_copy_shares_the_weights() -> None:
     assert copy.graph is not gm.graph
     originals = {n: t.data_ptr() for n, t in gm.state_dict().items()}
     assert {n: t.data_ptr() for n, t in copy.state_dict().items()} == originals
+
+
+# --- what the optimized module holds ------------------------------------------------------
+
+
+def _nbytes(t: torch.Tensor) -> tuple[int, int]:
+    """(an id of the memory, its bytes); opaque (oneDNN) tensors have no storage to share."""
+    try:
+        return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return id(t), t.numel() * t.element_size()
+
+
+def _held_beyond(fast: autoopt.OptimizedModule, model: nn.Module) -> int:
+    """Bytes of the tensors the optimized graphs (and the graph kept for export) hold that are
+    not the user's: constants, and the weights and packed copies lowered kernels bind."""
+    user = {_nbytes(t)[0] for t in model.state_dict().values()}
+    held: dict[int, int] = {}
+    for spec in fast.specializations:
+        for gm in (spec.graph, portable(spec.graph)):
+            tensors = [*gm.parameters(), *gm.buffers()]
+            for node in gm.graph.nodes:
+                if node.op == "call_function":
+                    tensors += [getattr(node.target, a, None) for a in ("weight", "packed")]
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and not t.is_meta:
+                    key, size = _nbytes(t)
+                    held[key] = size
+    return sum(size for key, size in held.items() if key not in user)
+
+
+@pytest.mark.skipif("onednn" not in packed_linear_module.kernels(torch.device("cpu")),
+                    reason="needs oneDNN's packed linear in this build")
+def test_a_merged_and_packed_weight_is_held_once() -> None:
+    """Q/K/V merged into one weight, then packed: the merged copy was held next to its packed
+    copy (by the graph, by the kernel and by the graph kept for export), 1.75x the weights
+    here; now the packed copy alone, and the graph kept for export reads the user's three
+    weights through a concatenation."""
+    model, x = Attention(d=256).eval(), torch.randn(1, 16, 256)
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())
+    fast = autoopt.optimize(model, (x,), pass_options={
+        "merge_linear": {"measure": False},
+        "packed_linear": {"measure": False, "kernel": "onednn"}})
+    assert fast.report.pass_counts["merged_groups"] == 1
+    assert fast.report.pass_counts["onednn"] == 2
+    assert _held_beyond(fast, model) <= weights
+    gm = fast.specializations[0].graph
+    assert not [n for n, _ in gm.named_buffers() if n.startswith("merged_linear_weight")]
+    exported = portable(gm)
+    assert torch.ops.aten.cat.default in [n.target for n in exported.graph.nodes]
+    with torch.no_grad():
+        expected = model(x)
+        torch.testing.assert_close(fast(x), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(exported(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_merged_weight_left_on_aten_stays_one_constant() -> None:
+    """Without a lowering that packs it, the merged weight is what the graph reads: kept, and
+    the graph kept for export shares it (no concatenation per call)."""
+    model, x = Attention(d=64).eval(), torch.randn(1, 16, 64)
+    fast = autoopt.optimize(model, (x,), disable=("packed_linear",),
+                            pass_options={"merge_linear": {"measure": False}})
+    gm = fast.specializations[0].graph
+    merged = [t for n, t in gm.named_buffers() if n.startswith("merged_linear_weight")]
+    assert len(merged) == 1
+    assert torch.ops.aten.cat.default not in [n.target for n in portable(gm).graph.nodes]
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)
