@@ -1,7 +1,10 @@
 """The real-model corpus: torchvision, timm and transformers architectures with random weights
 at small sizes. Nothing is downloaded: no pretrained weights, configs built in code.
 
-Each factory returns ``(model in eval mode, args, kwargs)``.
+Each factory returns ``(model, args, kwargs)``. A model in eval mode is optimized for inference;
+one in train mode (``TRAINING``, dropout probabilities set to 0 so that eager and the optimized
+module compute the same function) is optimized with ``training=True`` and checked with
+gradients.
 """
 
 from __future__ import annotations
@@ -35,10 +38,10 @@ def _ids(batch: int = 1, seq: int = 12) -> torch.Tensor:
 # --- torchvision ----------------------------------------------------------------------------
 
 
-def _tv(name: str, size: int = 32, **kwargs: Any) -> Factory:
+def _tv(name: str, size: int = 32, batch: int = 1, **kwargs: Any) -> Factory:
     def make() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
         model = getattr(torchvision.models, name)(weights=None, num_classes=10, **kwargs)
-        return model.eval(), (_image(size),), {}
+        return model.eval(), (_image(size, batch),), {}
     return make
 
 
@@ -61,6 +64,14 @@ def _mobilenet_fpn() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
     model = detection.backbone_utils.mobilenet_backbone(
         backbone_name="mobilenet_v3_large", weights=None, fpn=True, trainable_layers=6)
     return model.eval(), (_image(64),), {}
+
+
+def _detection(name: str) -> Factory:
+    def make() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+        model = getattr(detection, name)(weights=None, weights_backbone=None, num_classes=3,
+                                         min_size=64, max_size=64)
+        return model.eval(), ([torch.rand(3, 64, 64)],), {}
+    return make
 
 
 TORCHVISION: dict[str, Factory] = {
@@ -86,6 +97,8 @@ TORCHVISION: dict[str, Factory] = {
     "tv_lraspp_mobilenet_v3_large": _segmentation("lraspp_mobilenet_v3_large"),
     "tv_resnet18_fpn_backbone": _fpn("resnet18"),
     "tv_mobilenet_v3_fpn_backbone": _mobilenet_fpn,
+    "tv_fasterrcnn_mobilenet_v3_large_320_fpn": _detection("fasterrcnn_mobilenet_v3_large_320_fpn"),
+    "tv_retinanet_resnet50_fpn": _detection("retinanet_resnet50_fpn"),
 }
 
 
@@ -112,6 +125,7 @@ TIMM: dict[str, Factory] = {
     "timm_ghostnet_100": _timm("ghostnet_100"),
     "timm_mixer_s32": _timm("mixer_s32_224", img_size=32),
     "timm_levit_128s": _timm("levit_128s", size=64, img_size=64),
+    "timm_swin_tiny": _timm("swin_tiny_patch4_window7_224", size=64, img_size=64, window_size=2),
 }
 
 
@@ -151,10 +165,47 @@ def _bart() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
     return model, (_ids(),), {"decoder_input_ids": _ids(seq=5)}
 
 
-def _decoder(model_cls: Any, config: Any) -> Factory:
+def _decoder(model_cls: Any, config: Any, use_cache: bool = False) -> Factory:
+    """A decoder-only stack; ``use_cache=True`` leaves the model's default, which returns a
+    ``DynamicCache`` with the logits."""
     def make() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-        return model_cls(config).eval(), (_ids(),), {"use_cache": False}
+        kwargs = {} if use_cache else {"use_cache": False}
+        return model_cls(config).eval(), (_ids(),), kwargs
     return make
+
+
+def _t5_lm() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    """T5 with its LM head and the default ``use_cache``: an ``EncoderDecoderCache`` out."""
+    config = transformers.T5Config(vocab_size=_VOCAB, d_model=32, d_kv=16, d_ff=64,
+                                   num_layers=2, num_decoder_layers=2, num_heads=2,
+                                   decoder_start_token_id=0)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    return model, (_ids(),), {"decoder_input_ids": _ids(seq=5)}
+
+
+def _bart_lm() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    config = transformers.BartConfig(vocab_size=_VOCAB, d_model=32, encoder_layers=2,
+                                     decoder_layers=2, encoder_attention_heads=2,
+                                     decoder_attention_heads=2, encoder_ffn_dim=64,
+                                     decoder_ffn_dim=64, max_position_embeddings=64)
+    model = transformers.BartForConditionalGeneration(config).eval()
+    return model, (_ids(),), {"decoder_input_ids": _ids(seq=5)}
+
+
+def _whisper() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    """Whisper encoder-decoder with its LM head and cache."""
+    model = transformers.WhisperForConditionalGeneration(_WHISPER).eval()
+    return model, (torch.randn(1, 16, 32),), {"decoder_input_ids": _ids(seq=5)}
+
+
+def _clip() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    """CLIP text and vision towers with the similarity logits."""
+    config = transformers.CLIPConfig(text_config=_CLIP_TEXT.to_dict(),
+                                     vision_config=_CLIP_VISION.to_dict(), projection_dim=16)
+    model = transformers.CLIPModel(config).eval()
+    ids = _ids(batch=2)
+    return model, (ids,), {"pixel_values": _image(32, batch=2),
+                           "attention_mask": torch.ones_like(ids)}
 
 
 def _vit() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
@@ -163,36 +214,46 @@ def _vit() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
     return transformers.ViTModel(config).eval(), (_image(32),), {}
 
 
+_WHISPER = transformers.WhisperConfig(vocab_size=_VOCAB, d_model=32, encoder_layers=2,
+                                      encoder_attention_heads=2, decoder_layers=2,
+                                      decoder_attention_heads=2, encoder_ffn_dim=64,
+                                      decoder_ffn_dim=64, num_mel_bins=16,
+                                      max_source_positions=16, max_target_positions=32,
+                                      pad_token_id=0, bos_token_id=0, eos_token_id=0,
+                                      decoder_start_token_id=0)
+
+
 def _whisper_encoder() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-    config = transformers.WhisperConfig(vocab_size=_VOCAB, d_model=32, encoder_layers=2,
-                                        encoder_attention_heads=2, decoder_layers=2,
-                                        decoder_attention_heads=2, encoder_ffn_dim=64,
-                                        decoder_ffn_dim=64, num_mel_bins=16,
-                                        max_source_positions=16, pad_token_id=0,
-                                        bos_token_id=0, eos_token_id=0,
-                                        decoder_start_token_id=0)
-    model = transformers.WhisperModel(config).get_encoder().eval()
+    model = transformers.WhisperModel(_WHISPER).get_encoder().eval()
     # The encoder's two convolutions halve the frames: 32 mel frames -> 16 positions.
     return model, (torch.randn(1, 16, 32),), {}
 
 
-def _clip_text() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-    config = transformers.CLIPTextConfig(vocab_size=_VOCAB, hidden_size=32, num_hidden_layers=2,
+_CLIP_TEXT = transformers.CLIPTextConfig(vocab_size=_VOCAB, hidden_size=32, num_hidden_layers=2,
                                          num_attention_heads=2, intermediate_size=64,
                                          max_position_embeddings=32)
-    return _encoder(transformers.CLIPTextModel, config)()
+_CLIP_VISION = transformers.CLIPVisionConfig(hidden_size=32, num_hidden_layers=2,
+                                             num_attention_heads=2, intermediate_size=64,
+                                             image_size=32, patch_size=8)
+
+
+def _clip_text() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    return _encoder(transformers.CLIPTextModel, _CLIP_TEXT)()
 
 
 def _clip_vision() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-    config = transformers.CLIPVisionConfig(hidden_size=32, num_hidden_layers=2,
-                                           num_attention_heads=2, intermediate_size=64,
-                                           image_size=32, patch_size=8)
-    return transformers.CLIPVisionModel(config).eval(), (_image(32),), {}
+    return transformers.CLIPVisionModel(_CLIP_VISION).eval(), (_image(32),), {}
 
 
 _GPT2 = transformers.GPT2Config(vocab_size=_VOCAB, n_embd=32, n_layer=2, n_head=2,
                                 n_positions=64, bos_token_id=0, eos_token_id=0)
 _LLAMA_LIKE = dict(**_TEXT, num_key_value_heads=1, max_position_embeddings=64)
+_LLAMA = transformers.LlamaConfig(**_LLAMA_LIKE)
+_MISTRAL = transformers.MistralConfig(**_LLAMA_LIKE, sliding_window=8)
+_QWEN2 = transformers.Qwen2Config(**_LLAMA_LIKE)
+_PHI3 = transformers.Phi3Config(**_LLAMA_LIKE, pad_token_id=0)
+_GEMMA = transformers.GemmaConfig(**_LLAMA_LIKE, head_dim=16)
+_GEMMA2 = transformers.Gemma2Config(**_LLAMA_LIKE, head_dim=16, sliding_window=8)
 
 TRANSFORMERS: dict[str, Factory] = {
     "hf_bert": _encoder(transformers.BertModel, transformers.BertConfig(**_TEXT)),
@@ -206,17 +267,60 @@ TRANSFORMERS: dict[str, Factory] = {
         **_TEXT, embedding_size=16)),
     "hf_gpt2": _decoder(transformers.GPT2Model, _GPT2),
     "hf_gpt2_lm_head": _decoder(transformers.GPT2LMHeadModel, _GPT2),
-    "hf_llama": _decoder(transformers.LlamaModel, transformers.LlamaConfig(**_LLAMA_LIKE)),
-    "hf_mistral": _decoder(transformers.MistralModel,
-                           transformers.MistralConfig(**_LLAMA_LIKE, sliding_window=8)),
-    "hf_qwen2": _decoder(transformers.Qwen2Model, transformers.Qwen2Config(**_LLAMA_LIKE)),
+    "hf_gpt2_lm_head_cache": _decoder(transformers.GPT2LMHeadModel, _GPT2, use_cache=True),
+    "hf_llama": _decoder(transformers.LlamaModel, _LLAMA),
+    "hf_llama_lm_head_cache": _decoder(transformers.LlamaForCausalLM, _LLAMA, use_cache=True),
+    "hf_mistral": _decoder(transformers.MistralModel, _MISTRAL),
+    "hf_mistral_lm_head_cache": _decoder(transformers.MistralForCausalLM, _MISTRAL,
+                                         use_cache=True),
+    "hf_qwen2": _decoder(transformers.Qwen2Model, _QWEN2),
+    "hf_qwen2_lm_head_cache": _decoder(transformers.Qwen2ForCausalLM, _QWEN2, use_cache=True),
+    "hf_phi3": _decoder(transformers.Phi3Model, _PHI3),
+    "hf_phi3_lm_head_cache": _decoder(transformers.Phi3ForCausalLM, _PHI3, use_cache=True),
+    "hf_gemma_lm_head_cache": _decoder(transformers.GemmaForCausalLM, _GEMMA, use_cache=True),
+    "hf_gemma2_lm_head_cache": _decoder(transformers.Gemma2ForCausalLM, _GEMMA2,
+                                        use_cache=True),
     "hf_t5": _t5,
+    "hf_t5_lm_head_cache": _t5_lm,
     "hf_t5_encoder": _t5_encoder,
     "hf_bart": _bart,
+    "hf_bart_lm_head_cache": _bart_lm,
     "hf_vit": _vit,
     "hf_whisper_encoder": _whisper_encoder,
+    "hf_whisper_cache": _whisper,
     "hf_clip_text": _clip_text,
     "hf_clip_vision": _clip_vision,
+    "hf_clip": _clip,
+}
+
+
+# --- train mode -----------------------------------------------------------------------------
+
+
+def _train(factory: Factory) -> Factory:
+    """The same model in train mode (its config has every dropout probability at 0)."""
+    def make() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+        model, args, kwargs = factory()
+        return model.train(), args, kwargs
+    return make
+
+
+_NO_DROPOUT_GPT2 = transformers.GPT2Config(**{**_GPT2.to_dict(), "resid_pdrop": 0.0,
+                                              "embd_pdrop": 0.0, "attn_pdrop": 0.0})
+
+TRAINING: dict[str, Factory] = {
+    "train_hf_gpt2_lm_head": _train(_decoder(transformers.GPT2LMHeadModel, _NO_DROPOUT_GPT2,
+                                             use_cache=True)),
+    "train_hf_llama_lm_head": _train(_decoder(transformers.LlamaForCausalLM, _LLAMA)),
+    "train_hf_bert": _train(_encoder(transformers.BertModel, transformers.BertConfig(
+        **_TEXT, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))),
+    "train_hf_distilbert": _train(_encoder(transformers.DistilBertModel,
+                                           transformers.DistilBertConfig(
+        vocab_size=_VOCAB, dim=32, n_layers=2, n_heads=2, hidden_dim=64, dropout=0.0,
+        attention_dropout=0.0))),
+    "train_hf_vit": _train(_vit),  # ViTConfig's dropouts are 0 by default
+    # BatchNorm in train mode: batch statistics (a batch of 2), running statistics updated.
+    "train_tv_resnet18": _train(_tv("resnet18", size=64, batch=2)),
 }
 
 
@@ -226,5 +330,5 @@ def corpus() -> dict[str, Factory]:
     try:
         import timm  # noqa: F401
     except ImportError:
-        return models
-    return {**models, **TIMM}
+        return {**models, **TRAINING}
+    return {**models, **TIMM, **TRAINING}
