@@ -1,0 +1,188 @@
+"""LLM decoding: eager ``generate``, the static-cache + ``torch.compile`` recipe, and autoopt's
+``OptimizedModule.generate`` (fp32 and int8 weights), in one run.
+
+    python bench/generate.py --threads 1 --write             # the table in docs/benchmarks.md
+    python bench/generate.py --models gpt2 --batches 1 --new 32 --rounds 1   # a quick look
+
+Models (random weights, configs built in code, nothing downloaded): GPT-2 at the 124M shape
+(12 layers, width 768) and a Llama-style decoder of ~100M parameters (RoPE, RMSNorm, SwiGLU,
+grouped-query attention: 8 layers, width 768, 12 heads over 4 KV heads, vocabulary 32000).
+Each: prompt 32 tokens, 128 new (``min_new_tokens`` so every runner makes them all), greedy,
+batch 1 and 8. Runners, interleaved per round, medians over rounds:
+
+- ``eager``: ``model.generate`` (dynamic KV cache, transformers' default);
+- ``compile``: transformers' documented recipe, ``generation_config.cache_implementation =
+  "static"`` and ``model.forward = torch.compile(model.forward)`` (its compile time is the
+  first call's);
+- ``autoopt``: ``autoopt.optimize(model, (ids,)).generate(...)``, and with ``precision="int8"``.
+
+Columns: time to first token (a 1-token call), decode tokens/s (tokens after the first, per
+second of the call after the first token, times the batch), the decode speedup over eager,
+whether the tokens are eager's, and the roofline: the weights' bytes each step reads, over the
+memory bandwidth measured here (a large tensor's sum), as tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cost_model_accuracy import publish  # noqa: E402
+
+import autoopt  # noqa: E402
+from autoopt.cli.generate import time_generation, weight_bytes  # noqa: E402
+from autoopt.cost_model.device import device_info  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+
+def gpt2() -> nn.Module:
+    config = transformers.GPT2Config(vocab_size=50257, n_embd=768, n_layer=12, n_head=12,
+                                     n_positions=1024, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def llama() -> nn.Module:
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048,
+                                      num_hidden_layers=8, num_attention_heads=12,
+                                      num_key_value_heads=4, max_position_embeddings=1024,
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {"gpt2": gpt2, "llama": llama}
+
+
+def bandwidth() -> float:
+    """Bytes/s of reading a 512 MiB fp32 tensor (best of 5), at the current thread count."""
+    big = torch.ones(128 * 2**20)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - start)
+    return big.numel() * 4 / best
+
+
+def read_per_step(model: nn.Module) -> int:
+    """Bytes of weights one decode step reads: every parameter, except an embedding table
+    that is not also the output head (a step reads one row of it)."""
+    head = model.get_output_embeddings()
+    head_weight = head.weight if head is not None else None
+    skipped = {id(m.weight) for m in model.modules()
+               if isinstance(m, nn.Embedding) and m.weight is not head_weight}
+    return sum(p.numel() * p.element_size() for p in model.parameters()
+               if id(p) not in skipped)
+
+
+def compile_recipe(model: nn.Module) -> Callable[..., Any]:
+    compiled = copy.deepcopy(model)
+    compiled.generation_config.cache_implementation = "static"
+    compiled.forward = torch.compile(compiled.forward)
+    return compiled.generate
+
+
+def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
+              bytes_per_s: float) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    ids = torch.randint(1, model.config.vocab_size, (batch, prompt))
+    runners: dict[str, Callable[..., Any]] = {"eager": model.generate}
+    setup: dict[str, float] = {}
+    tokens: dict[str, torch.Tensor] = {}
+    greedy = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    print(f"[{name} b{batch}] eager reference", flush=True)
+    tokens["eager"] = model.generate(ids, **greedy)
+    print(f"[{name} b{batch}] torch.compile recipe (compiling)", flush=True)
+    start = time.perf_counter()
+    runners["compile"] = compile_recipe(model)
+    tokens["compile"] = runners["compile"](ids, **greedy)
+    setup["compile"] = time.perf_counter() - start
+    for label, precision in (("autoopt", None), ("autoopt int8", "int8")):
+        print(f"[{name} b{batch}] {label}: optimize and first generate", flush=True)
+        start = time.perf_counter()
+        fast = autoopt.optimize(model, (ids,), precision=precision)
+        tokens[label] = fast.generate(ids, **greedy)
+        fast.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        setup[label] = time.perf_counter() - start
+        runners[label] = fast.generate
+    print(f"[{name} b{batch}] timing {rounds} interleaved round(s)", flush=True)
+    timings = time_generation(runners, ids, new, rounds)
+    weights = weight_bytes(model)
+    read_fp32 = read_per_step(model)
+    eager = timings["eager"].decode_tokens_per_s
+    rows = []
+    for label, t in timings.items():
+        read = read_fp32 / 4 if label.endswith("int8") else read_fp32  # int8: a byte each
+        rows.append(dict(model=name, batch=batch, runner=label,
+                         first_ms=t.first_token_s * 1e3, decode=t.decode_tokens_per_s,
+                         speedup=t.decode_tokens_per_s / eager,
+                         same=bool(torch.equal(tokens[label], tokens["eager"])),
+                         roofline=batch * bytes_per_s / read, setup=setup.get(label),
+                         weights_mib=weights / 2**20))
+    return rows
+
+
+def table(rows: list[dict[str, Any]], threads: int, command: str, bytes_per_s: float,
+          prompt: int, new: int) -> str:
+    machine = f"{device_info('cpu', measure=False).name} ({os.cpu_count()} logical CPUs)"
+    lines = [
+        "## LLM decoding (CPU)", "",
+        f"`{command}` — {machine}, {threads} thread(s), torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, Python {platform.python_version()}. "
+        f"Prompt {prompt} tokens, {new} new, greedy; medians of interleaved rounds. Memory "
+        f"bandwidth measured here: {bytes_per_s / 1e9:.1f} GB/s. Roofline = batch × "
+        f"bandwidth / bytes of weights a step reads (all but embedding tables that are not "
+        f"the output head; int8 rows: a byte per weight; the KV cache and activations not "
+        f"counted). Setup = optimize or compile plus the "
+        f"first call.", "",
+        "| model | batch | runner | first token ms | decode tokens/s | vs eager | roofline "
+        "tokens/s | tokens = eager | setup s |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        setup = f"{r['setup']:.1f}" if r["setup"] is not None else "-"
+        lines.append(f"| {r['model']} ({r['weights_mib']:.0f} MiB) | {r['batch']} | "
+                     f"{r['runner']} | {r['first_ms']:.1f} | {r['decode']:.1f} | "
+                     f"{r['speedup']:.2f}× | {r['roofline']:.0f} | "
+                     f"{'yes' if r['same'] else 'no'} | {setup} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    parser.add_argument("--out", type=Path, help="also write the table to this file")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    bytes_per_s = bandwidth()
+    rows = []
+    for name in args.models.split(","):
+        for batch in map(int, args.batches.split(",")):
+            rows.extend(run_model(name, batch, args.prompt, args.new, args.rounds,
+                                  bytes_per_s))
+    command = "python bench/generate.py " + " ".join(sys.argv[1:])
+    publish(table(rows, args.threads, command.strip(), bytes_per_s, args.prompt, args.new),
+            write=args.write, out=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
