@@ -318,6 +318,10 @@ class OptimizedModule(nn.Module):
                 self._unshare()  # Dynamo's module or eager: serves any later call, training too
             for other in current:
                 other.stamp = self._watch.stamp(other.watched)
+            # What the forward writes itself (a call counter, a running mean), the graph
+            # writes too and reads live: its own writes do not make it stale.
+            own = {id(t) for t in self._capturer.written}
+            watched = [t for t in watched if id(t) not in own]
             if spec.run is not self.module and watched:
                 spec.watched = watched
                 spec.stamp = self._watch.stamp(watched)

@@ -114,6 +114,9 @@ class Capturer:
         self._own_hooks: set[HookKey] = set()
         # Whether a probe kept state a first call wrote (the owner's watch then re-reads it).
         self.kept_state = False
+        # The parameters and buffers the last probe's forward wrote in place (a call
+        # counter): the graph writes them on every call, and reads them live.
+        self.written: list[torch.Tensor] = []
         self._output_types: tuple[type, ...] = ()  # see capture.objects
         self._reference: dict[Any, Any] = {}
         self.module = module
@@ -196,7 +199,9 @@ class Capturer:
                        if not t.is_inference()]
             versions = [t._version for t in tensors]
             out = self._probe_call(args, kwargs)
-            written = any(t._version != v for t, v in zip(tensors, versions, strict=True))
+            # The module's own tensors (not the copies) its forward writes in place.
+            self.written = [copies.get(id(t), t) for t, v in zip(tensors, versions, strict=True)
+                            if t._version != v]
             self._output_types = foreign_types(out)
             changed = changed_state(before, python_state(self.module))
             installed = hook_keys(self.module) - hooks
@@ -217,7 +222,7 @@ class Capturer:
                      state_names(changed) or "hooks")
         else:
             remove_hooks(self.module, installed)  # the probe leaves no trace
-        if written and self._on_state_write is not None:
+        if self.written and self._on_state_write is not None:
             self._on_state_write()  # after the probe's writes were put back
         return obstacles
 
@@ -234,7 +239,7 @@ class Capturer:
                                  f"and dtypes against the model's forward.") from exc
 
     def _first_call_only(self, args: tuple[Any, ...], kwargs: dict[str, Any], first: Any,
-                         changed: list[StateKey], copies: list[torch.Tensor],
+                         changed: list[StateKey], copies: dict[int, torch.Tensor],
                          initial: dict[StateKey, Any],
                          ) -> tuple[str, dict[StateKey, Any] | None]:
         """Call once more, after the probe's first call wrote ``changed`` (or installed
@@ -266,7 +271,7 @@ class Capturer:
         held = [v for _, v in _leaves(kept, "state") if isinstance(v, torch.Tensor)]
         if any(v.requires_grad for v in held):
             return f"{what}, keeping tensors with gradient history", None
-        if {id(v) for v in held} & {id(c) for c in copies}:
+        if {id(v) for v in held} & copies.keys():
             return f"{what}, keeping a buffer itself", None
         elsewhere = self._first_call_on_other_inputs(args, kwargs, changed, initial)
         if elsewhere is not None:

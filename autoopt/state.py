@@ -48,8 +48,9 @@ def python_state(module: nn.Module) -> dict[tuple[str, str], Any]:
 
 
 @contextlib.contextmanager
-def own_buffers(module: nn.Module) -> Iterator[list[torch.Tensor]]:
-    """Run with copies in the module's buffer slots (yielded), the buffers put back on exit.
+def own_buffers(module: nn.Module) -> Iterator[dict[int, torch.Tensor]]:
+    """Run with copies in the module's buffer slots, the buffers put back on exit. Yields
+    each buffer by the id of its copy.
 
     A forward that writes its buffers (a call counter, running statistics) then writes the
     copies: never memory the module may share with the user's model, and no version counter
@@ -69,7 +70,7 @@ def own_buffers(module: nn.Module) -> Iterator[list[torch.Tensor]]:
     for table, name, b in slots:
         table[name] = copies[id(b)]
     try:
-        yield list(copies.values())
+        yield {id(copies[id(b)]): b for _, _, b in slots}
     finally:
         for table, name, b in slots:
             table[name] = b
