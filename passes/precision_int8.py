@@ -1,6 +1,7 @@
 """Dynamic int8 quantization of linear layers, for CPU inference.
 
     x ─ linear(W, b) ─ y      ⟶      x ─ quantized.linear_dynamic(pack(int8(W), b)) ─ y
+    x ─ addmm(b, x, W) ─ y    ⟶      (the same, with W's transpose: a weight stored (in, out))
 
 The weight is quantized once, per output channel (symmetric int8); the activation is quantized
 per call from its own range, so no calibration data is needed. The quantized kernel computes
@@ -25,22 +26,40 @@ from .graph import attr, fresh_name, meta_val
 _ENGINES = ("onednn", "x86", "fbgemm", "qnnpack")
 
 
+def _operands(node: Node) -> tuple[Any, Any, Any, bool] | None:
+    """``(x, weight, bias, transposed)`` of a linear, or of an ``addmm(bias, x, W)`` whose
+    ``W`` is stored ``(in, out)`` (transformers' ``Conv1D``: GPT-2's every projection)."""
+    if node.op != "call_function":
+        return None
+    if node.target in ops.LINEAR.aten:
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        return node.args[0], node.args[1], bias, False
+    if node.target is torch.ops.aten.addmm.default and len(node.args) == 3 \
+            and not node.kwargs:  # beta = alpha = 1
+        bias, x, weight = node.args
+        return x, weight, bias, True
+    return None
+
+
 def int8_candidates(gm: GraphModule) -> list[Node]:
-    """Linear nodes with an fp32 input and a 2-D fp32 weight attribute (a constant to pack)."""
+    """Linear nodes (and ``addmm`` with a constant weight) with an fp32 input and a 2-D fp32
+    weight attribute (a constant to pack)."""
     found = []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in ops.LINEAR.aten:
+        operands = _operands(node)
+        if operands is None:
             continue
-        x, weight = node.args[0], node.args[1]
-        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        x, weight, bias, _ = operands
         if not all(isinstance(a, Node) and a.op == "get_attr" for a in
                    ([weight] + ([bias] if bias is not None else []))):
             continue
         w = attr(gm, weight)
+        b = attr(gm, bias) if bias is not None else None
         x_val = meta_val(x)
         if (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32
                 and isinstance(x_val, torch.Tensor) and x_val.dtype == torch.float32
-                and x_val.dim() >= 2):
+                and x_val.dim() >= 2
+                and (b is None or (isinstance(b, torch.Tensor) and b.dim() == 1))):
             found.append(node)
     return found
 
@@ -68,7 +87,7 @@ def apply_int8(gm: GraphModule, names: Iterable[str], packed: dict[str, Any]) ->
             warnings.simplefilter("ignore", UserWarning)
             weights = gm.graph.get_attr(name)
             new = gm.graph.call_function(torch.ops.quantized.linear_dynamic.default,
-                                         (node.args[0], weights, False))
+                                         (_input(node), weights, False))
         new.meta["val"] = meta_val(node)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
@@ -88,18 +107,27 @@ class Int8Interpreter(Interpreter):
     def run_node(self, n: Node) -> Any:
         if n.name not in self.names:
             return super().run_node(n)
-        x = self.env[n.args[0]]
+        x = self.env[_input(n)]
         return torch.ops.quantized.linear_dynamic(x, _packed_for(self.module, n, self.packed),
                                                   False)
 
 
 def _packed_for(gm: Any, node: Node, packed: dict[str, Any]) -> Any:
     if node.name not in packed:
-        weight = attr(gm, node.args[1])
-        bias_node = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        operands = _operands(node)
+        assert operands is not None, node.format_node()
+        _, weight_node, bias_node, transposed = operands
+        weight = attr(gm, weight_node)
+        weight = weight.t().contiguous() if transposed else weight
         bias = attr(gm, bias_node) if bias_node is not None else None
         packed[node.name] = _pack(weight.detach(), None if bias is None else bias.detach())
     return packed[node.name]
+
+
+def _input(node: Node) -> Node:
+    operands = _operands(node)
+    assert operands is not None, node.format_node()
+    return operands[0]
 
 
 def int8_engine() -> str | None:

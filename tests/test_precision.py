@@ -480,6 +480,23 @@ def test_int8_quantizes_bert_linears_within_tolerance() -> None:
     assert_fresh_inputs_within(model, fast, args, kwargs, 5e-2)
 
 
+def test_int8_quantizes_gpt2_s_conv1d_projections() -> None:
+    """GPT-2's projections are transformers' ``Conv1D`` (``addmm(b, x, W)`` with ``W`` stored
+    (in, out)); only its tied output head was a linear, so int8 left 16 of 17 in fp32."""
+    config = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2,
+                                     n_positions=32, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 128, (2, 8))
+    kwargs = {"use_cache": False}
+    fast = autoopt.optimize(model, (ids,), kwargs, precision="int8", tolerance=5e-2,
+                            disable=("merge_linear",))
+    summary = fast.report.captures[0].precision
+    assert summary is not None and summary.low_ops == 2 * 4 + 1  # 4 per block, and the head
+    graph = fast.specializations[0].graph.graph
+    assert not [n for n in graph.nodes if n.target == aten.addmm.default]
+    assert_fresh_inputs_within(model, fast, (ids,), kwargs, 5e-2)
+
+
 # --- ONNX ------------------------------------------------------------------------------------
 
 
