@@ -96,7 +96,7 @@ class _Stepper:
     def _flat(self, cache: Any) -> tuple[list[Any], pytree.TreeSpec]:
         """The cache's tensors and structure, taken apart once per cache object (a static
         cache keeps its tensors from step to step; ~0.6 ms a step otherwise)."""
-        keys = [layer.keys for layer in cache.layers]
+        keys = [layer.keys for c in _caches(cache) for layer in c.layers]
         if self._last is None or self._last[0] is not cache or any(
                 a is not b for a, b in zip(self._last[1], keys, strict=True)):
             self._last = (cache, keys, *objects.flatten(cache))
@@ -140,14 +140,28 @@ class _Output(dict):
             raise AttributeError(name) from None
 
 
+def _caches(cache: Any) -> list[Any]:
+    """The layered caches inside ``cache``: itself, or an encoder-decoder cache's two."""
+    if hasattr(cache, "layers"):
+        return [cache]
+    return [getattr(cache, name) for name in ("self_attention_cache", "cross_attention_cache")
+            if hasattr(getattr(cache, name, None), "layers")]
+
+
 def _allocated(cache: Any) -> bool:
-    """Whether every layer of a static cache holds its tensors (the first update of a
-    transformers ``StaticLayer`` allocates them: Python state a graph cannot replay)."""
-    layers = getattr(cache, "layers", None)
-    if not layers:
+    """Whether a step would leave the cache's Python state as it is, so a graph can replay
+    it: every layer holds its tensors (the first update of a transformers ``StaticLayer``
+    allocates them) and an encoder-decoder cache has its cross-attention keys (its first
+    decoder step computes them and sets ``is_updated``)."""
+    caches = _caches(cache)
+    if not caches or not all(c.layers for c in caches):
+        return False
+    updated = getattr(cache, "is_updated", None)
+    if isinstance(updated, dict) and not all(updated.values()):
         return False
     return all(getattr(layer, "is_initialized", False)
-               and isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in layers)
+               and isinstance(getattr(layer, "keys", None), torch.Tensor)
+               for c in caches for layer in c.layers)
 
 
 class Generator:
@@ -165,7 +179,7 @@ class Generator:
         """Record the shapes the model's first step gave each cache layer (heads, head
         sizes, dtype), so the next call's cache is allocated before its prompt step and
         that step runs through a graph too."""
-        if _allocated(cache):
+        if _allocated(cache) and hasattr(cache, "layers"):
             self._layout = [(type(layer), layer.keys.shape, layer.values.shape,
                              layer.keys.dtype, layer.keys.device) for layer in cache.layers]
 

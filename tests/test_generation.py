@@ -127,3 +127,19 @@ def test_a_pickled_module_generates_after_loading() -> None:
     loaded = pickle.loads(pickle.dumps(fast))
     got = loaded.generate(ids, max_new_tokens=3, do_sample=False)
     assert torch.equal(got, model.generate(ids, max_new_tokens=3, do_sample=False))
+
+
+def test_an_encoder_decoder_decodes_through_the_graph() -> None:
+    """T5's cache holds a self-attention and a cross-attention static cache; its first
+    decoder step fills the cross-attention keys (Python state), the later ones replay."""
+    config = transformers.T5Config(vocab_size=_VOCAB, d_model=32, d_kv=16, d_ff=64,
+                                   num_layers=2, num_decoder_layers=2, num_heads=2,
+                                   decoder_start_token_id=0)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    ids = _prompt(batch=2, length=9)
+    fast = autoopt.optimize(model, (ids,), {"decoder_input_ids": ids[:, :3]})
+    options = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    for _ in range(2):
+        assert torch.equal(fast.generate(ids, **options), model.generate(ids, **options))
+        assert fast._generator.stats.graph_steps == 4
+    assert [len(r.captures) for r in fast._generator.reports] == [1]
