@@ -51,6 +51,7 @@ class GenerationStats:
     graph_steps: int = 0
     eager_steps: int = 0
     seconds: float = 0.0
+    cache_type: str = ""
     note: str = ""
 
     def __str__(self) -> str:
@@ -110,6 +111,7 @@ class _Stepper:
             self._stats.eager_steps += 1
             return self._eager(*args, **kwargs)
         name, cache = found[0]
+        self._stats.cache_type = type(cache).__name__
         if not _allocated(cache):
             self._optimized.allocate(cache)  # as the first call's cache was, if known
         if not _allocated(cache):
@@ -243,6 +245,13 @@ class Generator:
         with torch.no_grad():
             result = driver.generate(*args, **kwargs)
         self.stats.seconds = time.perf_counter() - started
+        if self.stats.eager_steps > 1 and not self.stats.graph_steps:
+            self.stats.note = (f"every step ran eagerly: the model's cache "
+                               f"({self.stats.cache_type}) is not a static cache whose "
+                               f"layers autoopt can take apart")
+            if self.stats.note not in self._optimized.report.warnings:
+                self._optimized.report.warnings.append(f"generate: {self.stats.note}")
+            log.warning("generate: %s", self.stats.note)
         log.info("%s", self.stats)
         return result
 
