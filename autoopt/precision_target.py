@@ -86,8 +86,8 @@ def notes_after(cfg: OptimizeConfig, report: Report) -> list[str]:
         raise ConfigError(f"precision='{cfg.precision}' cannot apply: the model was captured by "
                           f"{sorted(methods)}, and the precision pass works on torch.export "
                           f"graphs only (why not export: {attempts or 'not tried'}). Make the "
-                          f"model exportable (for transformers, use_cache=False often "
-                          f"suffices), or drop precision=.")
+                          f"model exportable (no data-dependent control flow, no hooks, no "
+                          f"Python state changed on every call), or drop precision=.")
     if why:
         reason = "; ".join(sorted(why))
     else:
