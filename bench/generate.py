@@ -3,6 +3,7 @@
 
     python bench/generate.py --threads 1 --write             # the table in docs/benchmarks.md
     python bench/generate.py --models gpt2 --batches 1 --new 32 --rounds 1   # a quick look
+    python bench/generate.py --device cuda --new 64 --out gen.md           # a GPU (bf16 rows)
 
 Models (random weights, configs built in code, nothing downloaded): GPT-2 at the 124M shape
 (12 layers, width 768) and a Llama-style decoder of ~100M parameters (RoPE, RMSNorm, SwiGLU,
@@ -65,15 +66,31 @@ def llama() -> nn.Module:
 MODELS: dict[str, Callable[[], nn.Module]] = {"gpt2": gpt2, "llama": llama}
 
 
-def bandwidth() -> float:
+def bandwidth(device: torch.device) -> float:
     """Bytes/s of reading a 512 MiB fp32 tensor (best of 5), at the current thread count."""
-    big = torch.ones(128 * 2**20)
+    big = torch.ones(128 * 2**20, device=device)
     best = float("inf")
     for _ in range(5):
+        sync(device)
         start = time.perf_counter()
         big.sum()
+        sync(device)
         best = min(best, time.perf_counter() - start)
     return big.numel() * 4 / best
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def synced(generate: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
+    """``generate`` that returns once the device has finished (for wall-clock timing)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        out = generate(*args, **kwargs)
+        sync(device)
+        return out
+    return call
 
 
 def read_per_step(model: nn.Module) -> int:
@@ -95,11 +112,11 @@ def compile_recipe(model: nn.Module) -> Callable[..., Any]:
 
 
 def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
-              bytes_per_s: float) -> list[dict[str, Any]]:
+              bytes_per_s: float, device: torch.device) -> list[dict[str, Any]]:
     torch.manual_seed(0)
-    model = MODELS[name]()
-    ids = torch.randint(1, model.config.vocab_size, (batch, prompt))
-    runners: dict[str, Callable[..., Any]] = {"eager": model.generate}
+    model = MODELS[name]().to(device)
+    ids = torch.randint(1, model.config.vocab_size, (batch, prompt), device=device)
+    runners: dict[str, Callable[..., Any]] = {"eager": synced(model.generate, device)}
     setup: dict[str, float] = {}
     tokens: dict[str, torch.Tensor] = {}
     greedy = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
@@ -107,17 +124,18 @@ def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
     tokens["eager"] = model.generate(ids, **greedy)
     print(f"[{name} b{batch}] torch.compile recipe (compiling)", flush=True)
     start = time.perf_counter()
-    runners["compile"] = compile_recipe(model)
+    runners["compile"] = synced(compile_recipe(model), device)
     tokens["compile"] = runners["compile"](ids, **greedy)
     setup["compile"] = time.perf_counter() - start
-    for label, precision in (("autoopt", None), ("autoopt int8", "int8")):
+    low = "int8" if device.type == "cpu" else "bf16"  # int8 is a CPU kernel
+    for label, precision in (("autoopt", None), (f"autoopt {low}", low)):
         print(f"[{name} b{batch}] {label}: optimize and first generate", flush=True)
         start = time.perf_counter()
         fast = autoopt.optimize(model, (ids,), precision=precision)
         tokens[label] = fast.generate(ids, **greedy)
         fast.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
         setup[label] = time.perf_counter() - start
-        runners[label] = fast.generate
+        runners[label] = synced(fast.generate, device)
     print(f"[{name} b{batch}] timing {rounds} interleaved round(s)", flush=True)
     timings = time_generation(runners, ids, new, rounds)
     weights = weight_bytes(model)
@@ -125,7 +143,7 @@ def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
     eager = timings["eager"].decode_tokens_per_s
     rows = []
     for label, t in timings.items():
-        read = read_fp32 / 4 if label.endswith("int8") else read_fp32  # int8: a byte each
+        read = read_fp32 / {"int8": 4, "bf16": 2}.get(label.rsplit(" ", 1)[-1], 1)
         rows.append(dict(model=name, batch=batch, runner=label,
                          first_ms=t.first_token_s * 1e3, decode=t.decode_tokens_per_s,
                          speedup=t.decode_tokens_per_s / eager,
@@ -136,18 +154,21 @@ def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
 
 
 def table(rows: list[dict[str, Any]], threads: int, command: str, bytes_per_s: float,
-          prompt: int, new: int) -> str:
-    machine = f"{device_info('cpu', measure=False).name} ({os.cpu_count()} logical CPUs)"
+          prompt: int, new: int, device: torch.device) -> str:
+    if device.type == "cuda":
+        title, machine = "## LLM decoding (CUDA)", torch.cuda.get_device_name(device)
+    else:
+        title = "## LLM decoding (CPU)"
+        machine = f"{device_info('cpu', measure=False).name} ({os.cpu_count()} logical CPUs)"
     lines = [
-        "## LLM decoding (CPU)", "",
+        title, "",
         f"`{command}` — {machine}, {threads} thread(s), torch {torch.__version__}, "
         f"transformers {transformers.__version__}, Python {platform.python_version()}. "
         f"Prompt {prompt} tokens, {new} new, greedy; medians of interleaved rounds. Memory "
         f"bandwidth measured here: {bytes_per_s / 1e9:.1f} GB/s. Roofline = batch × "
         f"bandwidth / bytes of weights a step reads (all but embedding tables that are not "
-        f"the output head; int8 rows: a byte per weight; the KV cache and activations not "
-        f"counted). Setup = optimize or compile plus the "
-        f"first call.", "",
+        f"the output head; int8 rows: a byte per weight, bf16 two; the KV cache and "
+        f"activations not counted). Setup = optimize or compile plus the first call.", "",
         "| model | batch | runner | first token ms | decode tokens/s | vs eager | roofline "
         "tokens/s | tokens = eager | setup s |",
         "|---|---|---|---|---|---|---|---|---|"]
@@ -168,19 +189,22 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (int8 rows become "
+                        "bf16 rows on a GPU)")
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     parser.add_argument("--out", type=Path, help="also write the table to this file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    bytes_per_s = bandwidth()
+    device = torch.device(args.device)
+    bytes_per_s = bandwidth(device)
     rows = []
     for name in args.models.split(","):
         for batch in map(int, args.batches.split(",")):
             rows.extend(run_model(name, batch, args.prompt, args.new, args.rounds,
-                                  bytes_per_s))
+                                  bytes_per_s, device))
     command = "python bench/generate.py " + " ".join(sys.argv[1:])
-    publish(table(rows, args.threads, command.strip(), bytes_per_s, args.prompt, args.new),
-            write=args.write, out=args.out)
+    publish(table(rows, args.threads, command.strip(), bytes_per_s, args.prompt, args.new,
+                  device), write=args.write, out=args.out)
     return 0
 
 

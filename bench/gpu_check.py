@@ -5,8 +5,9 @@
 Runs the tests marked ``gpu``, then, within ``--budget`` seconds (default 450, so one device
 call of under 8 minutes covers it): fp16/bf16 inference speedups, the training memory budget
 (offload + recompute), GPU utilization before/after ``optimize``, bf16 training, a pipeline
-over the GPUs, the inference benchmark on CUDA (eager, autoopt, torch.compile, ONNX Runtime)
-and the CUDA cost model's accuracy (``--skip`` leaves steps out). Writes ``gpu_check.md``
+over the GPUs, the inference benchmark on CUDA (eager, autoopt, torch.compile, ONNX Runtime),
+LLM decoding (``bench/generate.py``: eager, the static-cache + torch.compile recipe, autoopt fp32
+and bf16) and the CUDA cost model's accuracy (``--skip`` leaves steps out). Writes ``gpu_check.md``
 (everything), one ``.md`` table per benchmark, ``pytest-gpu.log`` and ``device.json`` under
 ``--out``. Exits non-zero if a GPU test fails or no GPU is present.
 """
@@ -76,6 +77,9 @@ def main() -> int:
         ("inference benchmark", lambda: bench_table(args.out, "inference", [
             "--device", "cuda", "--models", "resnet50,bert-base", "--batches", "8",
             "--rounds", "10"], 300), 90),
+        ("generation", lambda: bench_table(args.out, "generate", [
+            "--device", "cuda", "--models", "gpt2", "--batches", "1,8", "--new", "64",
+            "--rounds", "2"], 240), 60),
         ("cost model accuracy", lambda: bench_table(args.out, "cost_model_accuracy", [
             "--device", "cuda", "--models", "resnet50,bert-base", "--rounds", "3"], 120), 40),
     ]
