@@ -216,6 +216,14 @@ def portable(gm: GraphModule) -> GraphModule:
     return gm.meta.get("portable", gm)
 
 
+def graph_to_keep(gm: GraphModule, backend: str) -> GraphModule:
+    """The graph an optimized module keeps for a specialization (export, inspection): ``gm``
+    where it runs the calls (``backend`` empty: aten), else the graph the other backend was
+    lowered from (``portable``), without the aten lowerings' packed weight copies that no
+    call would read."""
+    return gm if not backend else portable(gm)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0][:300] if text else ""

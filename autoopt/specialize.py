@@ -29,7 +29,7 @@ from .capture.objects import foreign_types
 from .config import OptimizeConfig
 from .cost_model import CostModel
 from .cost_model.isolation import is_read_only
-from .driver import run_pipeline
+from .driver import graph_to_keep, run_pipeline
 from .errors import ConfigError, ModelError, wrapped_error
 from .guards import InputSignature, current_modes, needs_gradients, signature_of
 from .passes import PassContext
@@ -311,8 +311,8 @@ class Capturer:
                                   lambda g: g)
         run = self._unless_unimproved(self._cuda_graph(gm, args, kwargs, record), record)
         run, backend = self._lower(gm, run, args, kwargs, record, None)
-        return Compiled(signature_of(args, kwargs, self.module, gm), "export", run, gm,
-                        backend=backend)
+        return Compiled(signature_of(args, kwargs, self.module, gm), "export", run,
+                        graph_to_keep(gm, backend), backend=backend)
 
     def _lower(self, gm: GraphModule, aten: Callable[..., Any], args: tuple[Any, ...],
                kwargs: dict[str, Any], record: CaptureRecord,
@@ -375,8 +375,8 @@ class Capturer:
                                   "symbolic_trace", adapt)
         run, backend = self._lower(gm, self._unless_unimproved(adapt(gm), record), args,
                                    kwargs, record, adapt)
-        return Compiled(signature_of(args, kwargs, self.module), "symbolic_trace", run, gm,
-                        backend=backend)
+        return Compiled(signature_of(args, kwargs, self.module), "symbolic_trace", run,
+                        graph_to_keep(gm, backend), backend=backend)
 
     def _unless_unimproved(self, run: Callable[..., Any], record: CaptureRecord,
                            ) -> Callable[..., Any]:

@@ -1,7 +1,8 @@
 """Optimize at scale: memory and time of ``autoopt.optimize`` on Llama-style decoders, by size.
 
     python bench/scale.py [--sizes 50M,100M,200M,500M] [--threads 2] [--all-backends]
-                          [--compile] [--onnx] [--stages 200M] [--write] [--out table.md]
+                          [--compile] [--onnx] [--peer-sizes 50M,100M] [--stages 200M]
+                          [--note TEXT] [--write] [--out table.md]
 
 Models: ``transformers`` ``LlamaForCausalLM`` from a config (random weights, fp32,
 ``use_cache=False``, vocabulary 32000, head size 64, untied embeddings), batch 1 × 128 tokens.
@@ -17,6 +18,9 @@ memory read (``/proc/self/statm``); the process's peak resident memory is then r
 * torch.compile (``--compile``): ``torch.compile(model)`` and its first call.
 * ONNX Runtime (``--onnx``): ``torch.onnx.export(..., dynamo=True)``, an ``InferenceSession``
   (CPU, all graph optimizations) and its first run.
+
+``--peer-sizes`` limits the torch.compile and ONNX Runtime rows to some sizes (they take
+minutes each at the larger ones).
 
 Reported per size: parameters, layers, weights' bytes, resident memory after the eager call,
 the peak growth while preparing (peak resident minus the resident memory before), the memory
@@ -236,9 +240,13 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, command: str,
                       ", ".join(a["backends"])]
         for name in extra:
             r = by.get(name, {})
-            cells += ([f"failed: {r.get('failed', 'not run')}", "", ""] if "failed" in r or not r
-                      else [_times(r["peak_growth"], w), _times(r["held"], w),
-                            f"{r['seconds']:.1f}"])
+            if not r:
+                cells += ["not run"] * 3
+            elif "failed" in r:
+                cells += [f"failed: {r['failed']}", "", ""]
+            else:
+                cells += [_times(r["peak_growth"], w), _times(r["held"], w),
+                          f"{r['seconds']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     per_layer = [r["seconds"] / r["layers"] for r in rows
                  if r["runner"] == "autoopt" and "failed" not in r]
@@ -280,6 +288,8 @@ def main() -> int:
                         help="autoopt measures aten, Inductor and ONNX Runtime (default: aten)")
     parser.add_argument("--compile", action="store_true", help="add torch.compile's rows")
     parser.add_argument("--onnx", action="store_true", help="add export + ONNX Runtime's rows")
+    parser.add_argument("--peer-sizes", default="",
+                        help="sizes to run torch.compile/ONNX Runtime on (default: all)")
     parser.add_argument("--stages", default="",
                         help="sizes whose per-stage memory profile is printed, e.g. 200M")
     parser.add_argument("--note", default="", help="a sentence for the table's notes")
@@ -307,8 +317,11 @@ def main() -> int:
     subprocess.run([sys.executable, "-c", "from autoopt.cost_model import CostModel; "
                     "CostModel('cpu').info"], env=env, check=True)
     rows = []
+    peer_sizes = [s for s in args.peer_sizes.split(",") if s] or sizes
     for size in sizes:
         for runner in runners:
+            if runner != "autoopt" and size not in peer_sizes:
+                continue
             print(f"[scale] {size}: {runner} ...", flush=True)
             row = _run_child(size, runner, args, env)
             rows.append(row)

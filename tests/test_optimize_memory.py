@@ -263,3 +263,21 @@ def test_a_merged_weight_left_on_aten_stays_one_constant() -> None:
     assert torch.ops.aten.cat.default not in [n.target for n in portable(gm).graph.nodes]
     with torch.no_grad():
         torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_module_run_by_another_backend_keeps_no_packed_copies() -> None:
+    """Where ONNX Runtime runs the calls, the aten graph's packed weights (a copy the size of
+    the linears' weights) were kept with the specialization though no call reads them."""
+    pytest.importorskip("onnxruntime")
+    if "onednn" not in packed_linear_module.kernels(torch.device("cpu")):
+        pytest.skip("needs oneDNN's packed linear in this build")
+    model, x = Attention(d=128).eval(), torch.randn(1, 16, 128)
+    fast = autoopt.optimize(model, (x,), backend="onnxruntime", pass_options={
+        "packed_linear": {"measure": False, "kernel": "onednn"}})
+    assert fast.report.pass_counts.get("onednn", 0) >= 2
+    assert fast.specializations[0].backend == "onnxruntime"
+    gm = fast.specializations[0].graph
+    assert not [n for n in gm.graph.nodes
+                if isinstance(n.target, packed_linear_module.PackedLinear)]
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)
