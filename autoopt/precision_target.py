@@ -16,7 +16,7 @@ import torch
 
 from .cost_model.dtype_speed import matmul_flops
 from .errors import ConfigError
-from .passes.precision import LOW_DTYPES
+from .passes.precision import DEFAULT_TRAINING_TOLERANCE, LOW_DTYPES
 
 if TYPE_CHECKING:
     from .config import OptimizeConfig
@@ -31,6 +31,9 @@ def check_target(cfg: OptimizeConfig, device: torch.device | None, training: boo
     note for the report) where the low precision would be slower than fp32.
 
     ``pass_options={"precision": {"force": True}}`` casts even where it measures slower.
+
+    In training without a ``tolerance`` of the user's, verification allows what the field's
+    mixed precision errs by (``DEFAULT_TRAINING_TOLERANCE``), not the inference default.
 
     Returns:
         The config to use and the notes for the report.
@@ -50,6 +53,8 @@ def check_target(cfg: OptimizeConfig, device: torch.device | None, training: boo
                               f"the model is on {device}. Use precision='fp16' or 'bf16' there.")
         return cfg, []
     dtype = LOW_DTYPES[precision]
+    if training and cfg.tolerance is None:
+        cfg = dataclasses.replace(cfg, tolerance=DEFAULT_TRAINING_TOLERANCE[precision])
     if device.type == "cuda":
         if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
             raise ConfigError(f"precision='bf16' but {torch.cuda.get_device_name(device)} has "
@@ -92,7 +97,8 @@ def notes_after(cfg: OptimizeConfig, report: Report) -> list[str]:
         reason = "; ".join(sorted(why))
     else:
         reason = (f"no compute-heavy op could run in {cfg.precision} within the tolerance "
-                  f"{cfg.precision_tolerance:g}")
+                  f"{cfg.precision_tolerance:g} (inference) or measured faster than fp32 "
+                  f"(training)")
     return [f"precision='{cfg.precision}' not applied: {reason}; the model runs in fp32"]
 
 

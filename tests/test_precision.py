@@ -18,7 +18,7 @@ import autoopt
 from autoopt import capture
 from autoopt import precision_target as precision_settings
 from autoopt.errors import ConfigError
-from autoopt.passes import PassContext
+from autoopt.passes import PassContext, precision_policy
 from autoopt.passes.graph import attr
 from autoopt.passes.precision import DEFAULT_TOLERANCE, cast_precision, choose, masked_variants
 from autoopt.verify import _leaves, input_sets
@@ -33,6 +33,9 @@ def _low_precision_measures_faster(monkeypatch: pytest.MonkeyPatch) -> None:
     "faster"; the tests of the other answer pin their own."""
     speeds = {torch.float32: 100e9, torch.bfloat16: 800e9, torch.float16: 800e9}
     monkeypatch.setattr(precision_settings, "matmul_flops", lambda device, dtype: speeds[dtype])
+    # In training each op's speed decides (precision_policy): pinned to "faster" as well.
+    monkeypatch.setattr(precision_policy, "measure_speed",
+                        lambda node, dtype, ctx: precision_policy.Speed(1.0, 0.5))
 
 
 class Block(nn.Module):
