@@ -313,3 +313,43 @@ def test_apply_runs_without_a_remedy_optimize_refuses(monkeypatch: pytest.Monkey
     assert "precision" not in result.applied, str(result)
     assert any("precision='bf16': not applied" in n and "cannot apply" in n
                for n in result.notes), result.notes
+
+
+# --- model FLOP utilization ------------------------------------------------------------------
+
+
+def _linear_stack() -> tuple[nn.Module, torch.Tensor, int]:
+    """Linear(256, 512) ─ ReLU ─ Linear(512, 128) at batch 64, and its forward FLOPs: 2·m·k·n
+    per matmul."""
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 128))
+    return model, torch.randn(64, 256), 2 * 64 * (256 * 512 + 512 * 128)
+
+
+def test_mfu_counts_a_linear_stack_analytically_forward_and_backward() -> None:
+    model, x, forward = _linear_stack()
+    d = autoopt.diagnose(model, (x,), training=True, steps=2, roofline=False)
+    assert d.flops is not None
+    assert d.flops.forward == forward
+    # Backward: each weight's gradient (one matmul per layer) and the second layer's input
+    # gradient; x needs none.
+    assert d.flops.backward == 2 * 64 * (256 * 512 + 2 * 512 * 128)
+    assert d.flops.by_dtype == {"float32": d.flops.total}
+    assert 0 < d.mfu < 1 or any("above 1" in n for n in d.notes), d.flops
+    assert d.flops.peak_flops > 0 and d.flops.achieved > 0
+    assert "MFU " in str(d) and "GFLOP/s peak (fp32, measured GEMM ceiling)" in str(d)
+
+
+def test_mfu_in_inference_counts_the_forward_only() -> None:
+    model, x, forward = _linear_stack()
+    d = autoopt.diagnose(model, (x,), steps=2, roofline=False)
+    assert d.flops is not None and (d.flops.forward, d.flops.backward) == (forward, 0)
+    assert d.mfu is not None and d.mfu > 0
+
+
+def test_mfu_of_an_optimized_module_counts_the_model_s_flops() -> None:
+    # The lowered kernels (packed linears) are not the model's FLOPs: the eager module is
+    # counted, so the figure is the same before and after.
+    model, x, forward = _linear_stack()
+    fast = autoopt.optimize(model.eval(), (x,))
+    d = autoopt.diagnose(fast, (x,), steps=2, roofline=False)
+    assert d.flops is not None and d.flops.forward == forward

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import re
 from dataclasses import dataclass
 from html.parser import HTMLParser
@@ -68,6 +69,7 @@ def test_bert_report_is_one_self_contained_file_with_charts(tmp_path: Path) -> N
         assert "not used" in section
     assert set(data.latency_s) == {"eager", "autoopt"}
     assert all(s > 0 for s in data.latency_s.values())
+    assert "MFU before" in text and "GFLOP/s peak" in text  # model FLOP utilization
     assert data.after is not None and data.after.ops
     assert "dead_code" in text and "applied" in text
     assert_bit_identical(model, before)
@@ -123,6 +125,17 @@ def test_features_render_as_charts_when_the_module_has_them() -> None:
     assert "compute_s" in stage and "activation_bytes" in stage
     assert "stage  device  compute" in stage
     assert "2.00×" in text  # the speed-up card
+
+
+def test_report_shows_model_flop_utilization_next_to_utilization() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    x = torch.randn(16, 64)
+    before = autoopt.diagnose(model, (x,), training=True, steps=2, roofline=False)
+    text = render_html(ReportData("mlp", before=before))
+    _assert_self_contained(text)
+    assert "MFU before" in text  # the card
+    assert before.flops is not None and html.escape(before.flops.line()) in text
+    assert before.utilization.summary().split(",")[0] in text  # next to the CPU/GPU figures
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ from torch import nn
 from ..cost_model import GraphCost
 from ..errors import ConfigError, ModelError
 from .findings import Finding, Remedy, find_causes
+from .mfu import StepFlops, step_flops
 from .per_op import OpTime, bound_by_op, profile_ops, roofline_cost, roofline_labels
 from .sampler import Utilization, UtilizationSampler
 from .workload import Progress, StepTimes, Workload, batch_size
@@ -58,6 +59,13 @@ class Diagnosis:
     cost: GraphCost | None
     notes: list[str]
     workload: Workload | None = field(default=None, repr=False)
+    # The model's FLOPs per step against the device's peak (model FLOP utilization).
+    flops: StepFlops | None = None
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOP utilization of a step (None where the FLOPs could not be counted)."""
+        return self.flops.mfu if self.flops is not None else None
 
     @property
     def top(self) -> Finding | None:
@@ -168,7 +176,10 @@ class Diagnosis:
                  f"{self.device}, {self.steps} steps, batch {self.batch_size or '?'})",
                  f"step {s.total_s * 1e3:.2f} ms: data {s.data_s * 1e3:.2f} ms, transfer "
                  f"{s.transfer_s * 1e3:.2f} ms, compute {s.compute_s * 1e3:.2f} ms",
-                 self.utilization.summary(), ""]
+                 self.utilization.summary()]
+        if self.flops is not None:
+            lines.append(self.flops.line())
+        lines.append("")
         lines += [str(f) for f in self.findings] or ["no cause above 1% of step time"]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -264,8 +275,13 @@ def diagnose(model: nn.Module, data: Any, example_kwargs: Mapping[str, Any] | No
         finally:
             batches.close()
         cost = roofline_cost(workload, progress) if roofline else None
-    return _attribute(workload, timings, process_cpu, sampler.result, ops, launches, cost,
-                      steps)
+        flops = step_flops(workload, statistics.median(t[3] for t in timings))
+    diagnosis = _attribute(workload, timings, process_cpu, sampler.result, ops, launches, cost,
+                           steps)
+    diagnosis.flops = flops
+    if flops is not None:
+        diagnosis.notes.extend(flops.notes)
+    return diagnosis
 
 
 def _attribute(w: Workload, timings: list[tuple[float, float, float, float]],

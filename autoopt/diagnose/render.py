@@ -2,10 +2,11 @@
 
     write_report("report.html", collect(model, (x,), {}, optimized=fast))
 
-Sections: before/after latency, where step time goes (the diagnosis, with evidence and fixes),
-the per-op time breakdown before and after, utilization over time, what each pass changed,
-and, where the optimized module has them, the precision map, the stage partition with
-per-stage time and memory, and the memory plan ("not used" otherwise). Charts are matplotlib
+Sections: before/after latency and model FLOP utilization, where step time goes (the
+diagnosis, with evidence and fixes), the per-op time breakdown before and after, utilization
+over time, what each pass changed, and, where the optimized module has them, the precision
+map, the stage partition with per-stage time and memory, and the memory plan ("not used"
+otherwise). Charts are matplotlib
 figures inlined as SVG; the file loads nothing from the network, so it opens anywhere. What is
 shown is measured by ``collect`` (``autoopt.diagnose.collect``).
 """
@@ -58,6 +59,9 @@ def _summary(data: ReportData) -> str:
         values = list(data.latency_s.values())
         if len(values) == 2 and values[1] > 0:
             cards.append(("speed-up", f"{values[0] / values[1]:.2f}×"))
+    for label, d in (("before", data.before), ("after", data.after)):
+        if d is not None and d.flops is not None:
+            cards.append((f"MFU {label}", f"{d.flops.mfu:.1%} of {d.flops.precision} peak"))
     if data.before is not None:
         top = data.before.top
         cards.append(("top cause", f"{top.cause} ({top.share:.0%})" if top is not None
@@ -106,6 +110,9 @@ def _diagnosis_section(data: ReportData) -> str:
     parts = [svg(fig)]
     for label, d in rows:
         parts.append(f"<h3>{_e(label)}: {_e(_step_line(d))}</h3>")
+        if d.flops is not None:  # model FLOP utilization, next to the utilization counters
+            parts.append(f"<p class=\"mfu\"><b>{_e(d.flops.line())}</b>; "
+                         f"{_e(d.utilization.summary())}</p>")
         if not d.findings:
             parts.append("<p>no cause above 1% of step time</p>")
         for f in d.findings:
