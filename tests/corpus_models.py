@@ -174,13 +174,15 @@ def _decoder(model_cls: Any, config: Any, use_cache: bool = False) -> Factory:
     return make
 
 
-def _t5_lm() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+def _t5_lm(dropout_rate: float = 0.1) -> Factory:
     """T5 with its LM head and the default ``use_cache``: an ``EncoderDecoderCache`` out."""
-    config = transformers.T5Config(vocab_size=_VOCAB, d_model=32, d_kv=16, d_ff=64,
-                                   num_layers=2, num_decoder_layers=2, num_heads=2,
-                                   decoder_start_token_id=0)
-    model = transformers.T5ForConditionalGeneration(config).eval()
-    return model, (_ids(),), {"decoder_input_ids": _ids(seq=5)}
+    def make() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+        config = transformers.T5Config(vocab_size=_VOCAB, d_model=32, d_kv=16, d_ff=64,
+                                       num_layers=2, num_decoder_layers=2, num_heads=2,
+                                       decoder_start_token_id=0, dropout_rate=dropout_rate)
+        model = transformers.T5ForConditionalGeneration(config).eval()
+        return model, (_ids(),), {"decoder_input_ids": _ids(seq=5)}
+    return make
 
 
 def _bart_lm() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
@@ -281,7 +283,7 @@ TRANSFORMERS: dict[str, Factory] = {
     "hf_gemma2_lm_head_cache": _decoder(transformers.Gemma2ForCausalLM, _GEMMA2,
                                         use_cache=True),
     "hf_t5": _t5,
-    "hf_t5_lm_head_cache": _t5_lm,
+    "hf_t5_lm_head_cache": _t5_lm(),
     "hf_t5_encoder": _t5_encoder,
     "hf_bart": _bart,
     "hf_bart_lm_head_cache": _bart_lm,
@@ -309,9 +311,13 @@ _NO_DROPOUT_GPT2 = transformers.GPT2Config(**{**_GPT2.to_dict(), "resid_pdrop": 
                                               "embd_pdrop": 0.0, "attn_pdrop": 0.0})
 
 TRAINING: dict[str, Factory] = {
-    "train_hf_gpt2_lm_head": _train(_decoder(transformers.GPT2LMHeadModel, _NO_DROPOUT_GPT2,
-                                             use_cache=True)),
-    "train_hf_llama_lm_head": _train(_decoder(transformers.LlamaForCausalLM, _LLAMA)),
+    # GPT-2 with its cache (the default: a DynamicCache out of a train-mode model) and without.
+    "train_hf_gpt2_lm_head_cache": _train(_decoder(transformers.GPT2LMHeadModel,
+                                                   _NO_DROPOUT_GPT2, use_cache=True)),
+    "train_hf_gpt2": _train(_decoder(transformers.GPT2Model, _NO_DROPOUT_GPT2)),
+    "train_hf_llama_lm_head_cache": _train(_decoder(transformers.LlamaForCausalLM, _LLAMA,
+                                                    use_cache=True)),
+    "train_hf_t5_lm_head_cache": _train(_t5_lm(dropout_rate=0.0)),
     "train_hf_bert": _train(_encoder(transformers.BertModel, transformers.BertConfig(
         **_TEXT, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))),
     "train_hf_distilbert": _train(_encoder(transformers.DistilBertModel,
