@@ -17,8 +17,9 @@ batch 1 and 8. Runners, interleaved per round, medians over rounds:
   first call's);
 - ``autoopt``: ``autoopt.optimize(model, (ids,)).generate(...)``, and with ``precision="int8"``.
 
-Columns: time to first token (a 1-token call), decode tokens/s (tokens after the first, per
-second of the call after the first token, times the batch), the decode speedup over eager,
+Columns: time to first token (until the first token's logits, within the timed call),
+decode tokens/s (tokens after the first, per second of the call after the first token, times
+the batch), the decode speedup over eager,
 whether the tokens are eager's, and the roofline: the weights' bytes each step reads, over the
 memory bandwidth measured here (a large tensor's sum), as tokens/s.
 """
@@ -133,7 +134,6 @@ def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
         start = time.perf_counter()
         fast = autoopt.optimize(model, (ids,), precision=precision)
         tokens[label] = fast.generate(ids, **greedy)
-        fast.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
         setup[label] = time.perf_counter() - start
         runners[label] = synced(fast.generate, device)
     print(f"[{name} b{batch}] timing {rounds} interleaved round(s)", flush=True)

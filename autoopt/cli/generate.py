@@ -37,8 +37,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 @dataclass
 class GenerationTiming:
-    """Medians over rounds: time to first token (a prompt step and one token), the whole
-    call, and decode tokens/s over the tokens after the first."""
+    """Medians over rounds: time to first token (until the first token's logits), the
+    whole call, and decode tokens/s over the tokens after the first."""
 
     first_token_s: float
     total_s: float
@@ -51,20 +51,40 @@ class GenerationTiming:
         return self.batch * (self.new_tokens - 1) / decode if decode > 0 else float("nan")
 
 
+class _FirstToken:
+    """A logits processor that notes when it is first called: the prompt step is done and
+    the first token is being chosen (time to first token, within the very call timed)."""
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.at is None:
+            if scores.is_cuda:
+                torch.cuda.synchronize(scores.device)
+            self.at = time.perf_counter()
+        return scores
+
+
 def time_generation(runners: dict[str, Callable[..., Any]], ids: torch.Tensor, new: int,
                     rounds: int) -> dict[str, GenerationTiming]:
     """Each runner is called like ``generate(ids, max_new_tokens=..., ...)``; greedy, with
-    ``min_new_tokens`` so every runner produces ``new`` tokens; interleaved rounds."""
+    ``min_new_tokens`` so every runner produces ``new`` tokens; interleaved rounds. One call
+    gives both figures (a separate one-token call would size a static cache differently)."""
+    from transformers import LogitsProcessorList
+
     for generate in runners.values():  # warm-up: allocations, lazy imports, first captures
-        generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)
+        generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
     first: dict[str, list[float]] = {name: [] for name in runners}
     total: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(rounds):
         for name, generate in runners.items():
-            for n, times in ((1, first[name]), (new, total[name])):
-                start = time.perf_counter()
-                generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-                times.append(time.perf_counter() - start)
+            mark = _FirstToken()
+            start = time.perf_counter()
+            generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                     logits_processor=LogitsProcessorList([mark]))
+            total[name].append(time.perf_counter() - start)
+            first[name].append((mark.at or start) - start)
     return {name: GenerationTiming(statistics.median(first[name]),
                                    statistics.median(total[name]), ids.shape[0], new)
             for name in runners}
@@ -96,7 +116,6 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     tokens = fast.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new,
                            do_sample=False)
-    fast.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
     warm = time.perf_counter() - started
     eager_tokens = model.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new,
                                   do_sample=False)
