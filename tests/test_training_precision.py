@@ -23,8 +23,9 @@ from autoopt.passes.precision_policy import Speed
 
 STEPS = 20
 # Largest gap allowed between autoopt's loss and autocast's at any step, relative to the first
-# loss. Measured: 0.4% (CNN, SGD) and 0.3% (tiny GPT-2, AdamW); bf16's own noise is ~1%.
-CURVE_TOLERANCE = 0.03
+# loss. Measured: 0.05% (CNN, SGD) and 0.10% (tiny GPT-2, AdamW), where autocast itself is
+# 0.03% and 0.11% from fp32.
+CURVE_TOLERANCE = 0.01
 ALL_LOW = {"precision": {"measure": False}}  # every autocast op in bf16: the accuracy worst case
 
 
