@@ -353,3 +353,19 @@ def test_mfu_of_an_optimized_module_counts_the_model_s_flops() -> None:
     fast = autoopt.optimize(model.eval(), (x,))
     d = autoopt.diagnose(fast, (x,), steps=2, roofline=False)
     assert d.flops is not None and d.flops.forward == forward
+
+
+def test_mfu_of_a_bf16_training_module_holds_its_flops_to_the_bf16_peak(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from autoopt import precision_target
+
+    speeds = {torch.float32: 100e9, torch.bfloat16: 800e9}
+    monkeypatch.setattr(precision_target, "matmul_flops", lambda device, dtype: speeds[dtype])
+    model, x, forward = _linear_stack()
+    fast = autoopt.optimize(model, (x,), precision="bf16", training=True,
+                            pass_options={"precision": {"measure": False}})
+    assert fast.report.captures[0].precision.low_ops == 2
+    d = autoopt.diagnose(fast, (x,), training=True, steps=2, roofline=False)
+    assert d.flops is not None and d.flops.forward == forward
+    assert set(d.flops.by_dtype) == {"bfloat16"} and d.flops.precision == "bf16"
+    assert any("held to the bf16 peak" in n for n in d.notes), d.notes

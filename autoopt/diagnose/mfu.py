@@ -114,13 +114,19 @@ def step_flops(w: Workload, step_s: float) -> StepFlops | None:
         return None
     by_dtype = dict(counter.by_dtype)
     notes = []
-    low = _applied_precision(w.model)
-    if low is not None and by_dtype.get("float32"):
-        # The eager model counts in fp32 what the optimized graph runs in low precision.
-        by_dtype[low] = by_dtype.get(low, 0) + by_dtype.pop("float32")
-        notes.append(f"FLOPs counted on the eager model; the optimized graph runs its "
-                     f"matmuls, convolutions and attention in {_SHORT[low]} (precision=), so "
-                     f"they are held to the {_SHORT[low]} peak")
+    applied = _applied_precision(w.model)
+    if applied is not None and by_dtype.get("float32"):
+        # The eager model counts in fp32 what the optimized graph runs in low precision: the
+        # share of its candidate ops the precision pass cast moves to that dtype.
+        low, share = applied
+        moved = int(by_dtype["float32"] * share)
+        by_dtype[low] = by_dtype.get(low, 0) + moved
+        by_dtype["float32"] -= moved
+        by_dtype = {d: f for d, f in by_dtype.items() if f}
+        notes.append(f"FLOPs counted on the eager model; the optimized graph runs {share:.0%} "
+                     f"of its matmuls, convolutions and attention ops in {_SHORT[low]} "
+                     f"(precision=): that share of the fp32 FLOPs is held to the "
+                     f"{_SHORT[low]} peak")
     peak = {d: _peak(w.device, d) for d in by_dtype}
     missing = [d for d, p in peak.items() if not p]
     if missing:
@@ -161,14 +167,19 @@ def _eager(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, OptimizedModule) else model
 
 
-def _applied_precision(model: nn.Module) -> str | None:
-    """``bfloat16``/``float16`` when ``model`` is an OptimizedModule whose graph runs in it."""
+def _applied_precision(model: nn.Module) -> tuple[str, float] | None:
+    """``(bfloat16 or float16, share of candidate ops cast)`` when ``model`` is an
+    OptimizedModule whose graph runs in low precision."""
     report = getattr(model, "report", None)
     for capture in getattr(report, "captures", []) or []:
         summary = getattr(capture, "precision", None)
         if summary is not None and summary.low_ops > 0 and summary.precision in ("bf16",
                                                                                  "fp16"):
-            return {"bf16": "bfloat16", "fp16": "float16"}[summary.precision]
+            # Ops kept by policy (norms, softmax) are not candidates and count no FLOPs here.
+            kept = sum(1 for k in summary.kept if "polic" not in k.why
+                       and "practice" not in k.why)
+            share = summary.low_ops / (summary.low_ops + kept)
+            return {"bf16": "bfloat16", "fp16": "float16"}[summary.precision], share
     return None
 
 
