@@ -213,6 +213,7 @@ def test_cli_names_data_loading_for_a_slow_loader(tmp_path: Path,
     assert code == 0, out
     findings = [line for line in out.splitlines() if "%  " in line]
     assert findings and "data: input pipeline stalls" in findings[0], out
+    assert "MFU " in out and "GFLOP/s peak" in out, out  # model FLOP utilization
 
 
 def test_cli_errors_say_what_to_pass(capsys: pytest.CaptureFixture[str]) -> None:
