@@ -97,8 +97,8 @@ def notes_after(cfg: OptimizeConfig, report: Report) -> list[str]:
         reason = "; ".join(sorted(why))
     else:
         reason = (f"no compute-heavy op could run in {cfg.precision} within the tolerance "
-                  f"{cfg.precision_tolerance:g} (inference) or measured faster than fp32 "
-                  f"(training)")
+                  f"{cfg.precision_tolerance:g} (inference), or no op, or not the whole "
+                  f"training step with its casts, measured faster than fp32 (training)")
     return [f"precision='{cfg.precision}' not applied: {reason}; the model runs in fp32"]
 
 

@@ -20,6 +20,7 @@ whole step is the check.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 from collections.abc import Callable, Hashable, Sequence
@@ -32,7 +33,7 @@ from torch.utils import _pytree as pytree
 
 from autoopt.cost_model.isolation import preserved
 
-from . import ops
+from . import ops, precision_policy
 from .base import PassContext, PassResult
 from .precision_cast import (
     CastInterpreter,
@@ -180,7 +181,16 @@ def cast_precision(gm: GraphModule, ctx: PassContext) -> PassResult:
                  "measured faster" if ctx.training else f"fits the tolerance {tolerance:g}")
         return PassResult(gm, False)
     low_ops = tuple((n.name, _op(n)) for n in nodes if n.name in low)
+    fp32 = GraphModule(gm, copy.deepcopy(gm.graph)) if ctx.training else None
     plan = apply_casts(gm, low, dtype, store_params=not ctx.training, wide=wide)
+    if fp32 is not None:  # the casts between ops can cost more than the ops gain
+        gm.recompile()
+        speed = precision_policy.step_speed(fp32, gm, ctx)
+        if speed is not None and not speed.pays:
+            log.info("precision %s not applied: the training step measures %.3g ms with "
+                     "%d op(s) in %s, %.3g ms in fp32", precision, speed.low_s * 1e3,
+                     len(low), precision, speed.fp32_s * 1e3)
+            return PassResult(gm, False)
     # Where a huge value enters (a fill, a factor, an input): not every op it flows through.
     sources = [n for n in wide if by_name[n].op == "call_function" and n not in refused
                and not any(a.name in wide and a.op == "call_function"

@@ -19,13 +19,14 @@ with autocast.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.fx import Node
+from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
@@ -92,6 +93,39 @@ def training_choice(nodes: Sequence[Node], dtype: torch.dtype, ctx: PassContext,
             kept[node.name] = (f"{name} measured not faster here: {speed.low_s * 1e3:.3g} ms "
                                f"vs {speed.fp32_s * 1e3:.3g} ms in fp32 (forward and backward)")
     return low, kept
+
+
+def step_speed(fp32: GraphModule, low: GraphModule, ctx: PassContext) -> Speed | None:
+    """The whole graph's training step (forward, and backward to every parameter and input
+    that requires grad) with and without the casts, timed by the cost model on the example
+    inputs: per op, low precision can pay while the casts between ops cost more. None where
+    the graph cannot be measured (no cost model, ``measure`` off)."""
+    measure = (ctx.cost is not None and bool(ctx.options.get("measure", True))
+               and not bool(ctx.options.get("force", False)))
+    if not measure:
+        return None
+    inputs = tuple(ctx.example_inputs)
+    leaves = [p for p in fp32.parameters() if p.requires_grad]
+    leaves += [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+
+    def step(gm: GraphModule) -> Any:
+        def run() -> None:
+            outs = [o for o in pytree.tree_leaves(gm(*inputs))
+                    if isinstance(o, torch.Tensor) and o.requires_grad]
+            if outs and leaves:
+                torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs],
+                                    allow_unused=True)
+        return run
+
+    code = hashlib.sha1((fp32.code + low.code).encode()).hexdigest()[:16]
+    what = f"training step graph|{code}|{value_spec(list(inputs))}"
+    try:
+        _, seconds = ctx.cost.fastest(what, {"fp32": step(fp32), "low": step(low)},
+                                      state=[fp32], grad=True, budget_s=5.0)
+    except RuntimeError as exc:
+        log.info("precision: the training step could not be timed (%s)", exc)
+        return None
+    return Speed(seconds["fp32"], seconds["low"])
 
 
 def measure_speed(node: Node, dtype: torch.dtype, ctx: PassContext) -> Speed | None:

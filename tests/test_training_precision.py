@@ -140,12 +140,29 @@ def test_an_op_measured_not_faster_stays_fp32_with_its_times(
         return Speed(1e-3, 2e-3) if "conv" in str(node.target) else Speed(1e-3, 5e-4)
 
     monkeypatch.setattr(precision_policy, "measure_speed", speed)
+    monkeypatch.setattr(precision_policy, "step_speed", lambda fp32, low, ctx: Speed(1.0, 0.9))
     model, args, kwargs, _ = _cnn_case()
     fast = autoopt.optimize(model, args, kwargs, precision="bf16", training=True)
     summary = fast.report.captures[0].precision
     assert [op for _, op in summary.low] == ["linear.default"]
     slower = [k for k in summary.kept if "measured not faster" in k.why]
     assert len(slower) == 2 and "2 ms vs 1 ms in fp32" in slower[0].why
+
+
+def test_casts_that_make_the_whole_step_slower_are_not_applied(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every op pays alone, but the step with the casts between them measures slower.
+    monkeypatch.setattr(precision_policy, "measure_speed",
+                        lambda node, dtype, ctx: Speed(1e-3, 5e-4))
+    monkeypatch.setattr(precision_policy, "step_speed", lambda fp32, low, ctx: Speed(1.0, 1.2))
+    model, args, kwargs, loss_of = _cnn_case()
+    fast = autoopt.optimize(copy.deepcopy(model), args, kwargs, precision="bf16",
+                            training=True)
+    assert fast.report.captures[0].precision is None
+    assert any("precision='bf16' not applied" in w and "training" in w
+               for w in fast.report.warnings), fast.report.warnings
+    loss = loss_of(fast)
+    torch.testing.assert_close(loss, loss_of(model))  # fp32, as the model
 
 
 def test_speed_is_measured_by_the_cost_model_forward_and_backward() -> None:
