@@ -166,6 +166,19 @@ def _allocated(cache: Any) -> bool:
                for c in caches for layer in c.layers)
 
 
+_CACHE_BUCKET = 256  # static cache lengths are rounded up to a multiple of this
+_MAX_STEP_MODULES = 4  # cache structures (batch size, length) kept, least recently used out
+
+
+def _max_positions(module: nn.Module) -> int | None:
+    config = getattr(module, "config", None)
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 class Generator:
     """The decode/prefill graphs of one ``OptimizedModule``: one optimized ``_Step`` module
     per cache structure (batch size, maximum length, dtype), each holding a graph per input
@@ -213,7 +226,24 @@ class Generator:
                             training=False)
             log.info("generate: step graph ready in %.1f s", time.perf_counter() - started)
             self._steps[key] = step
+            while len(self._steps) > _MAX_STEP_MODULES:  # each holds graphs and weight copies
+                self._steps.pop(next(iter(self._steps)))
+        else:
+            self._steps[key] = self._steps.pop(key)  # most recently used last
         return step
+
+    def _sized(self, prepare: Callable[..., Any]) -> Callable[..., Any]:
+        """transformers' static-cache constructor with the length rounded up to a bucket, so
+        calls with other prompt lengths or ``max_new_tokens`` share one decode graph."""
+        positions = _max_positions(self._optimized.module)
+
+        def prepare_bucketed(*args: Any, **kwargs: Any) -> Any:
+            length = kwargs.get("max_cache_len")
+            if isinstance(length, int):
+                bucket = -(-length // _CACHE_BUCKET) * _CACHE_BUCKET
+                kwargs["max_cache_len"] = max(length, min(bucket, positions or bucket))
+            return prepare(*args, **kwargs)
+        return prepare_bucketed
 
     @property
     def reports(self) -> list[Any]:
@@ -242,6 +272,9 @@ class Generator:
         started = time.perf_counter()
         driver = copy.copy(module)  # shares submodules and weights; its own forward
         driver.forward = _Stepper(self, module.forward, self.stats)
+        prepare = getattr(driver, "_prepare_static_cache", None)
+        if callable(prepare):  # transformers 5; without it, each length has its own graph
+            driver._prepare_static_cache = self._sized(prepare)
         with torch.no_grad():
             result = driver.generate(*args, **kwargs)
         self.stats.seconds = time.perf_counter() - started

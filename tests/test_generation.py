@@ -143,3 +143,18 @@ def test_an_encoder_decoder_decodes_through_the_graph() -> None:
         assert torch.equal(fast.generate(ids, **options), model.generate(ids, **options))
         assert fast._generator.stats.graph_steps == 4
     assert [len(r.captures) for r in fast._generator.reports] == [1]
+
+
+def test_other_lengths_share_one_decode_graph() -> None:
+    """The static cache's length is rounded up to a bucket: other prompt lengths and
+    max_new_tokens reuse the step module (and its decode graph) instead of making another."""
+    model = _llama()
+    fast = autoopt.optimize(model, (_prompt(),))
+    for length, new in ((6, 4), (6, 9), (8, 3)):
+        ids = _prompt(length=length)
+        got = fast.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        want = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        assert torch.equal(got, want), (length, new)
+    assert len(fast._generator.reports) == 1
+    decode = [c for c in fast._generator.reports[0].captures if "int64[1, 1]" in c.inputs]
+    assert len(decode) == 1, [c.inputs for c in fast._generator.reports[0].captures]
