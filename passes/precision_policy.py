@@ -78,9 +78,7 @@ def training_choice(nodes: Sequence[Node], dtype: torch.dtype, ctx: PassContext,
     Returns:
         (names of the nodes to run low, {name kept in fp32: why}).
     """
-    measure = (ctx.cost is not None and bool(ctx.options.get("measure", True))
-               and not bool(ctx.options.get("force", False)))
-    if not measure:
+    if not _measuring(ctx):
         return [n.name for n in nodes], {}
     name = _SHORT.get(dtype, str(dtype))
     low: list[str] = []
@@ -100,9 +98,7 @@ def step_speed(fp32: GraphModule, low: GraphModule, ctx: PassContext) -> Speed |
     that requires grad) with and without the casts, timed by the cost model on the example
     inputs: per op, low precision can pay while the casts between ops cost more. None where
     the graph cannot be measured (no cost model, ``measure`` off)."""
-    measure = (ctx.cost is not None and bool(ctx.options.get("measure", True))
-               and not bool(ctx.options.get("force", False)))
-    if not measure:
+    if not _measuring(ctx):
         return None
     inputs = tuple(ctx.example_inputs)
     leaves = [p for p in fp32.parameters() if p.requires_grad]
@@ -117,11 +113,14 @@ def step_speed(fp32: GraphModule, low: GraphModule, ctx: PassContext) -> Speed |
                                     allow_unused=True)
         return run
 
-    code = hashlib.sha1((fp32.code + low.code).encode()).hexdigest()[:16]
-    what = f"training step graph|{code}|{value_spec(list(inputs))}"
+    # The graph's code names its weights, not their shapes: those go into the key too.
+    weights = [t for t in fp32.state_dict().values() if isinstance(t, torch.Tensor)]
+    code = hashlib.sha1((fp32.code + low.code + value_spec(weights)).encode()).hexdigest()
+    what = f"training step graph|{code[:20]}|{value_spec(list(inputs))}"
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
     try:
         _, seconds = ctx.cost.fastest(what, {"fp32": step(fp32), "low": step(low)},
-                                      state=[fp32], grad=True, budget_s=5.0)
+                                      state=[fp32, *tensors], grad=True, budget_s=5.0)
     except RuntimeError as exc:
         log.info("precision: the training step could not be timed (%s)", exc)
         return None
@@ -152,6 +151,12 @@ def measure_speed(node: Node, dtype: torch.dtype, ctx: PassContext) -> Speed | N
         log.debug("precision: %s not measured in %s (%s)", node.name, dtype, exc)
         return Speed(fp32_s=0.0, low_s=float("inf"))
     return Speed(seconds["fp32"], seconds["low"])
+
+
+def _measuring(ctx: PassContext) -> bool:
+    """Whether speed is measured: a cost model, and neither ``measure=False`` nor ``force``."""
+    return (ctx.cost is not None and bool(ctx.options.get("measure", True))
+            and not bool(ctx.options.get("force", False)))
 
 
 def _values(node: Node, device: torch.device) -> tuple[tuple[Any, ...], dict[str, Any]]:
