@@ -170,6 +170,15 @@ _CACHE_BUCKET = 256  # static cache lengths are rounded up to a multiple of this
 _MAX_STEP_MODULES = 4  # cache structures (batch size, length) kept, least recently used out
 
 
+def _tokens(inputs: Mapping[str, Any]) -> int:
+    """Tokens per sequence this step feeds (1 for a decode step)."""
+    for name in ("input_ids", "decoder_input_ids", "inputs_embeds"):
+        value = inputs.get(name)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return value.shape[1]
+    return 1
+
+
 def _max_positions(module: nn.Module) -> int | None:
     config = getattr(module, "config", None)
     for name in ("max_position_embeddings", "n_positions"):
@@ -215,15 +224,19 @@ class Generator:
                  inputs: Mapping[str, Any]) -> Any:
         from .api import optimize
 
-        key = (str(spec), name, tuple((t.shape, t.dtype, t.device) for t in tensors))
+        # Decode steps (one token) share one static graph; prompt steps one graph whose
+        # sequence length is symbolic, so prompts of any length add no graph (and no copy
+        # of the packed weights) each.
+        prompt = _tokens(inputs) != 1
+        key = (prompt, str(spec), name, tuple((t.shape, t.dtype, t.device) for t in tensors))
         step = self._steps.get(key)
         if step is None:
             started = time.perf_counter()
-            log.info("generate: capturing a step graph for a cache of %d tensors",
-                     len(tensors))
+            log.info("generate: capturing a %s step graph for a cache of %d tensors",
+                     "prompt" if prompt else "decode", len(tensors))
             model = _Step(self._optimized.module, spec, name).eval()
             step = optimize(model, (tensors,), dict(inputs), config=self._optimized.config,
-                            training=False)
+                            training=False, dynamic=prompt)
             log.info("generate: step graph ready in %.1f s", time.perf_counter() - started)
             self._steps[key] = step
             while len(self._steps) > _MAX_STEP_MODULES:  # each holds graphs and weight copies
