@@ -101,12 +101,14 @@ def compare(expected: Any, actual: Any, tolerances: Mapping[torch.dtype, Toleran
                                           f"unexpected {extra}")
     # Gradients sum many products in an order the rewrite may change, and a gradient that is
     # zero in exact arithmetic (a key projection's bias under softmax) is rounding noise at
-    # the scale of the others: they are held to ten times the tolerance, at the scale of the
-    # largest gradient rather than their own.
+    # the scale of the others: they are held to ten times the tolerance, each at its own
+    # scale but at least a tenth of the largest gradient's. (At the largest one's scale
+    # itself, a small weight's gradient could be wrong entirely and pass: zeroing a BERT
+    # query weight's gradient, 0.008 next to embedding gradients of 100, did.)
     grads = [v for k, v in expected_leaves.items() if _is_gradient(k)
              and isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()]
-    grad_scale = max([1.0, *(float(v.detach().abs().nan_to_num(0, 0, 0).max())
-                             for v in grads)])
+    grad_scale = GRAD_SCALE_FLOOR * max([1.0, *(float(v.detach().abs().nan_to_num(0, 0, 0).max())
+                                                for v in grads)])
     max_abs = max_rel = 0.0
     for key, exp in expected_leaves.items():
         act = actual_leaves[key]
@@ -440,6 +442,7 @@ def clone_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any],
 
 GRAD_PREFIX = "grad of "  # how gradients are named among a run's compared leaves
 GRAD_FACTOR = 10.0
+GRAD_SCALE_FLOOR = 0.1  # of the largest gradient: the least scale a gradient is judged at
 
 
 def _is_gradient(path: str) -> bool:

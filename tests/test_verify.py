@@ -127,3 +127,22 @@ def test_a_float_mask_stays_a_mask_and_gets_padding() -> None:
     mask = torch.ones(4, 16)
     fresh = fresh_like(mask, torch.Generator().manual_seed(0))
     assert set(fresh.unique().tolist()) == {0.0, 1.0}
+
+
+def test_a_small_gradient_is_judged_at_its_own_scale() -> None:
+    """Gradients were all held to the largest one's scale, so a small weight's gradient could
+    be wrong entirely and pass (a BERT query weight's, 0.008, next to embeddings' 100)."""
+    from autoopt.verify import GRAD_PREFIX
+
+    torch.manual_seed(0)
+    expected = {f"{GRAD_PREFIX}embedding": torch.randn(64, 32) * 100,
+                f"{GRAD_PREFIX}query": torch.randn(32, 32) * 0.008}
+    wrong = dict(expected)
+    wrong[f"{GRAD_PREFIX}query"] = torch.zeros(32, 32)
+    result = compare(expected, wrong)
+    assert not result.ok and "query" in result.detail
+    # Rounding noise on a gradient that is zero in exact arithmetic still passes.
+    noisy = dict(expected)
+    noisy[f"{GRAD_PREFIX}bias"] = expected[f"{GRAD_PREFIX}bias"] = torch.zeros(32)
+    noisy[f"{GRAD_PREFIX}bias"] = torch.randn(32) * 1e-6 * 100
+    assert compare(expected, noisy).ok
