@@ -188,6 +188,21 @@ def _max_positions(module: nn.Module) -> int | None:
     return None
 
 
+def _beyond_positions(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                      ) -> ConfigError | None:
+    """The clear error for a call whose prompt and new tokens need more positions than the
+    model has (a learned position table then fails with a bare index error), or None."""
+    ids = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("input_ids")
+    positions = _max_positions(module)
+    new = kwargs.get("max_new_tokens")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or positions is None or \
+            not isinstance(new, int) or ids.shape[1] + new <= positions:
+        return None
+    return ConfigError(f"generate: a prompt of {ids.shape[1]} tokens and max_new_tokens={new} "
+                       f"need {ids.shape[1] + new} positions; {type(module).__name__} has "
+                       f"{positions}. Shorten the prompt or max_new_tokens.")
+
+
 class Generator:
     """The decode/prefill graphs of one ``OptimizedModule``: one optimized ``_Step`` module
     per cache structure (batch size, maximum length, dtype), each holding a graph per input
@@ -289,7 +304,10 @@ class Generator:
         if callable(prepare):  # transformers 5; without it, each length has its own graph
             driver._prepare_static_cache = self._sized(prepare)
         with torch.no_grad():
-            result = driver.generate(*args, **kwargs)
+            try:
+                result = driver.generate(*args, **kwargs)
+            except (IndexError, RuntimeError) as exc:
+                raise _beyond_positions(module, args, kwargs) or exc from exc
         self.stats.seconds = time.perf_counter() - started
         if self.stats.eager_steps > 1 and not self.stats.graph_steps:
             self.stats.note = (f"every step ran eagerly: the model's cache "

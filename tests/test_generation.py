@@ -115,6 +115,11 @@ def test_what_generate_cannot_do_is_an_error() -> None:
     fast = autoopt.optimize(model, (ids,))
     with pytest.raises(ConfigError, match="static KV cache"):
         fast.generate(ids, max_new_tokens=2, cache_implementation="dynamic")
+    fast.generate(ids, max_new_tokens=2)  # the next prompt step runs through a graph
+    for _ in range(2):  # the first call's eager prompt step, then the graph's
+        with pytest.raises(ConfigError, match="a prompt of 60 tokens and max_new_tokens=8 "
+                                              "need 68 positions; GPT2LMHeadModel has 64"):
+            fast.generate(_prompt(length=60), max_new_tokens=8)
     trained = autoopt.optimize(copy.deepcopy(model).train(), (ids,))
     with pytest.raises(ConfigError, match="train mode"):
         trained.generate(ids, max_new_tokens=2)
