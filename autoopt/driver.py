@@ -20,8 +20,8 @@ from torch.fx import GraphModule
 from . import memory_profile
 from .cost_model.isolation import is_read_only
 from .passes import LOWERING, PassContext, PassFn
-from .passes.graph import attr, fake_like, storage_id
-from .passes.merge_linear import MERGED_FROM
+from .passes.graph import add_constant, attr, fake_like
+from .passes.merge_linear import CONCATENATED, MERGED_FROM
 from .report import PassRecord
 from .verify import VerifyResult
 
@@ -77,7 +77,12 @@ def _run(gm: GraphModule, passes: Sequence[tuple[str, PassFn]], ctx: PassContext
     before_lowering: GraphModule | None = None
     for name, fn in passes:
         if name in LOWERING and before_lowering is None:
-            before_lowering = current
+            # Merged weights become concatenations of the user's weights here, so that their
+            # copies are freed before the lowerings make theirs (packed_linear packs the
+            # concatenation); the copies still read are made again after the lowerings.
+            current = before_lowering = _as_concatenations(current)
+            candidate = result = None  # the graph before: its merged copies go now
+            memory_profile.release_free_memory()
         if name in disabled:
             records.append(PassRecord(name, "disabled"))
             continue
@@ -110,10 +115,85 @@ def _run(gm: GraphModule, passes: Sequence[tuple[str, PassFn]], ctx: PassContext
         current = result.graph_module
         records.append(PassRecord(name, "applied", dict(result.counts),
                                   time.perf_counter() - start))
-    if before_lowering is not None and current is not before_lowering:
+    if before_lowering is not None and (current is not before_lowering
+                                        or _concatenations(current)):
+        if current is before_lowering:
+            current = copy_graph_module(current)
+        folded = _fold_concatenations(current)
         _drop_unread_constants(current)
-        current.meta["portable"] = _reads_packed_sources(before_lowering, current)
+        # Where the lowered graph holds a merged weight again, the exported one shares it.
+        current.meta["portable"] = before_lowering
+        if folded:
+            current.meta["portable"] = copy_graph_module(before_lowering)
+            _fold_concatenations(current.meta["portable"], folded)
+        memory_profile.release_free_memory()
     return current, records
+
+
+def _concatenations(gm: GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get(CONCATENATED)]
+
+
+def _as_concatenations(gm: GraphModule) -> GraphModule:
+    """A copy of ``gm`` reading each merged weight (``merge_linear``) as the concatenation of
+    the user's weights it stacks, holding no copy of its own: the graph kept for export, and
+    the one the lowerings start from. ``gm`` itself where it has no merged weight (or one
+    whose sources are gone)."""
+    nodes = [n for n in gm.graph.nodes if n.op == "get_attr" and n.meta.get(MERGED_FROM)
+             and isinstance(attr(gm, n), torch.Tensor)]
+    if not nodes:
+        return gm
+    new = copy_graph_module(gm)
+    by_name = {n.name: n for n in new.graph.nodes}
+    first = next(n for n in new.graph.nodes if n.op != "placeholder")
+    changed = False
+    for old in nodes:
+        node = by_name[old.name]
+        sources = [(target, ref()) for target, ref in node.meta[MERGED_FROM]]
+        if any(t is None or not _has_or_sets(new, target, t) for target, t in sources):
+            continue  # a stacked weight is gone or shadowed: keep the merged copy
+        with new.graph.inserting_before(first):
+            parts = [new.graph.get_attr(target) for target, _ in sources]
+        for part, (_, t) in zip(parts, sources, strict=True):
+            part.meta["val"] = fake_like(new, t)
+        with new.graph.inserting_before(node):
+            cat = new.graph.call_function(torch.ops.aten.cat.default, (parts, 0))
+        cat.meta = {k: v for k, v in node.meta.items() if k != MERGED_FROM}
+        cat.meta[CONCATENATED] = True
+        node.replace_all_uses_with(cat)
+        new.graph.erase_node(node)
+        if str(node.target) not in {str(n.target) for n in new.graph.nodes if n.op == "get_attr"}:
+            delattr(new, str(node.target))
+        changed = True
+    if not changed:
+        return gm
+    new.recompile()
+    return new
+
+
+def _fold_concatenations(gm: GraphModule, values: dict[str, torch.Tensor] | None = None,
+                         ) -> dict[str, torch.Tensor]:
+    """Undo ``_as_concatenations`` where a concatenation is still read (a linear left on
+    aten): one merged copy again, computed once instead of per call (or taken from
+    ``values``, by node name); unread ones go. Returns the merged copies made, by node name."""
+    made: dict[str, torch.Tensor] = {}
+    for cat in _concatenations(gm):
+        parts = list(cat.args[0])
+        if cat.users and (values is None or cat.name in values):
+            value = (values[cat.name] if values is not None
+                     else torch.cat([attr(gm, p).detach() for p in parts]))
+            with gm.graph.inserting_before(cat):
+                node = add_constant(gm, "merged_linear_weight", value)
+            cat.replace_all_uses_with(node)
+            made[cat.name] = value
+        elif cat.users:
+            continue
+        gm.graph.erase_node(cat)
+        for part in parts:
+            if not part.users:
+                gm.graph.erase_node(part)
+    gm.recompile()
+    return made
 
 
 def _drop_unread_constants(gm: GraphModule) -> None:
@@ -128,56 +208,6 @@ def _drop_unread_constants(gm: GraphModule) -> None:
         if name not in read and is_read_only(value):
             delattr(gm, name)
     gm.recompile()
-
-
-def _reads_packed_sources(portable_gm: GraphModule, lowered: GraphModule) -> GraphModule:
-    """``portable_gm``, where it holds a merged weight that ``lowered`` no longer reads (a
-    lowering packed it), reading that weight as the concatenation of the weights it stacks
-    instead: the graph kept for export then holds no copy of its own (export, Inductor and
-    ONNX Runtime fold the concatenation of constants). Otherwise ``portable_gm`` itself."""
-    held = {storage_id(t) for t in _tensors_read(lowered)}
-    nodes = [n for n in portable_gm.graph.nodes if n.op == "get_attr" and n.meta.get(MERGED_FROM)
-             and isinstance(attr(portable_gm, n), torch.Tensor)
-             and storage_id(attr(portable_gm, n)) not in held]
-    if not nodes:
-        return portable_gm
-    new = copy_graph_module(portable_gm)
-    by_name = {n.name: n for n in new.graph.nodes}
-    first = next(n for n in new.graph.nodes if n.op != "placeholder")
-    for old in nodes:
-        node = by_name[old.name]
-        sources = [(target, ref()) for target, ref in node.meta[MERGED_FROM]]
-        if any(t is None or not _has_or_sets(new, target, t) for target, t in sources):
-            continue  # a stacked weight is gone or shadowed: keep the merged copy
-        with new.graph.inserting_before(first):
-            parts = [new.graph.get_attr(target) for target, _ in sources]
-        for part, (_, t) in zip(parts, sources, strict=True):
-            part.meta["val"] = fake_like(new, t)
-        with new.graph.inserting_before(node):
-            cat = new.graph.call_function(torch.ops.aten.cat.default, (parts, 0))
-        cat.meta = {k: v for k, v in node.meta.items() if k != MERGED_FROM}
-        node.replace_all_uses_with(cat)
-        new.graph.erase_node(node)
-        if str(node.target) not in {str(n.target) for n in new.graph.nodes if n.op == "get_attr"}:
-            delattr(new, str(node.target))
-    new.recompile()
-    return new
-
-
-def _tensors_read(gm: GraphModule) -> list[torch.Tensor]:
-    """The tensors ``gm``'s nodes read: its ``get_attr`` constants and the weights lowered
-    kernels hold (``PackedLinear``, ``PackedConv``)."""
-    found = []
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            value = attr(gm, node)
-        elif node.op == "call_function":
-            value = getattr(node.target, "weight", None)
-        else:
-            continue
-        if isinstance(value, torch.Tensor) and not value.is_meta:
-            found.append(value)
-    return found
 
 
 def _has_or_sets(gm: GraphModule, target: str, tensor: torch.Tensor) -> bool:

@@ -21,12 +21,16 @@ the reset is not possible the peak is None. On a CUDA device the stage also reco
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import logging
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -111,6 +115,29 @@ def _page_size() -> int:
 
 
 _PAGE = _page_size()
+
+
+def release_free_memory() -> None:
+    """Free what dropped graphs hold and hand the C heap's free memory back to the system.
+
+    A graph module is a reference cycle (its graph and nodes point back to it), so the weights
+    a dropped graph holds (merged copies) are freed only by the cycle collector, which may run
+    much later: ``gc.collect()`` first. Memory freed into glibc's heap is then reused only by
+    allocations that fit it, not by the packed copies that follow: ``malloc_trim`` returns it
+    (Linux with glibc; elsewhere only the collection)."""
+    gc.collect()
+    global _trim
+    if _trim is None:
+        try:
+            _trim = ctypes.CDLL("libc.so.6").malloc_trim if sys.platform.startswith("linux") \
+                else False
+        except (OSError, AttributeError):
+            _trim = False
+    if _trim:
+        _trim(0)
+
+
+_trim: Any = None
 
 
 @contextlib.contextmanager

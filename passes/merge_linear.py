@@ -32,6 +32,9 @@ aten = torch.ops.aten
 
 # The ``get_attr`` node meta key naming what a merged weight stacks: ``[(target, weakref)]``.
 MERGED_FROM = "merged_from"
+# The meta key of an ``aten.cat`` node the driver put in place of a merged weight before the
+# lowerings: the concatenation of constants that a lowering may pack (``autoopt.driver``).
+CONCATENATED = "merged_weight"
 
 
 def merge_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
@@ -116,9 +119,8 @@ def _merge(gm: GraphModule, x: Node, linears: Sequence[Node], weight: torch.Tens
     with graph.inserting_before(linears[0]):  # x and the weights exist by then
         w_node = add_constant(gm, "merged_linear_weight", weight)
         # How to compute it again from the weights it stacks (their get_attr targets and
-        # tensors): where a lowering packs the merged weight, the graph kept for export reads
-        # it as a concatenation of those, so that only the packed copy is held
-        # (``autoopt.driver``).
+        # tensors): the lowerings and the graph kept for export read it as a concatenation
+        # of those, so that a lowering's packed copy is the only one (``autoopt.driver``).
         w_node.meta[MERGED_FROM] = sources
         b_node = add_constant(gm, "merged_linear_bias", bias) if bias is not None else None
         wide = graph.call_function(aten.linear.default, (x, w_node, b_node))

@@ -64,6 +64,7 @@ from autoopt.cost_model.isolation import is_read_only
 from . import ops
 from .base import PassContext, PassResult
 from .graph import attr, call_kwargs, constant_tensor, meta_val
+from .merge_linear import CONCATENATED
 
 log = logging.getLogger(__name__)
 
@@ -228,8 +229,8 @@ def _eligible(gm: GraphModule, node: Node) -> _Linear | None:
     if kw is None:
         return None
     if node.target in ops.LINEAR.aten:
-        x, weight, bias = kw.get("input"), constant_tensor(gm, kw.get("weight")), kw.get("bias")
-        derived = weight is not None and is_read_only(weight)
+        x, bias = kw.get("input"), kw.get("bias")
+        weight, derived = _constant_weight(gm, kw.get("weight"))
     else:
         if kw.get("beta", 1) != 1 or kw.get("alpha", 1) != 1:
             return None
@@ -256,6 +257,20 @@ def _eligible(gm: GraphModule, node: Node) -> _Linear | None:
     if rows == 0:
         return None
     return _Linear(node, x, weight.detach(), bias, rows, derived)
+
+
+def _constant_weight(gm: GraphModule, node: Any) -> tuple[torch.Tensor | None, bool]:
+    """A linear's constant weight and whether a pass made it (not the model's own): a
+    ``get_attr`` constant, or a merged weight the driver reads as a concatenation of the
+    model's weights (``merge_linear.CONCATENATED``), computed here to be packed."""
+    weight = constant_tensor(gm, node)
+    if weight is not None:
+        return weight, is_read_only(weight)
+    if isinstance(node, Node) and node.meta.get(CONCATENATED) and node.target is aten.cat.default:
+        parts = [constant_tensor(gm, p) for p in node.args[0]]
+        if parts and all(p is not None for p in parts):
+            return torch.cat([p.detach() for p in parts]), True
+    return None, False
 
 
 def _choose(gm: GraphModule, ctx: PassContext, linear: _Linear,
