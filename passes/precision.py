@@ -163,12 +163,13 @@ def cast_precision(gm: GraphModule, ctx: PassContext) -> PassResult:
     if not nodes:
         return PassResult(gm, False)
     names, kinds = [n.name for n in nodes], [_kind(n) for n in nodes]
+    mixed = precision_policy.MIXED_INPUT.aten if ctx.training else frozenset()
     params: dict[str, torch.Tensor] = {}  # low-precision weights, cast once for all trials
     with preserved(gm):  # measuring runs update no BatchNorm statistic, counter or RNG
         measure = _Measure(gm, ctx.example_inputs)
 
         def error_of(chosen: set[str]) -> float:
-            return measure.error(CastInterpreter(gm, chosen, dtype, params, wide))
+            return measure.error(CastInterpreter(gm, chosen, dtype, params, wide, mixed))
 
         if ctx.training:  # the field's practice decides; measurement only speed
             chosen, kept = training_choice(nodes, dtype, ctx)
@@ -182,7 +183,7 @@ def cast_precision(gm: GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, False)
     low_ops = tuple((n.name, _op(n)) for n in nodes if n.name in low)
     fp32 = GraphModule(gm, copy.deepcopy(gm.graph)) if ctx.training else None
-    plan = apply_casts(gm, low, dtype, store_params=not ctx.training, wide=wide)
+    plan = apply_casts(gm, low, dtype, store_params=not ctx.training, wide=wide, mixed=mixed)
     if fp32 is not None:  # the casts between ops can cost more than the ops gain
         gm.recompile()
         speed = precision_policy.step_speed(fp32, gm, ctx)
@@ -199,6 +200,8 @@ def cast_precision(gm: GraphModule, ctx: PassContext) -> PassResult:
     kept_ops += [KeptOp(n, _op(by_name[n]), range_refusal(by_name[n], wide, dtype) or "")
                  for n in sources]
     kept_ops += [KeptOp(n, _op(by_name[n]), why) for n, why in kept.items()]
+    low_ops += tuple((n.name, f"{_op(n)} (fp32 weights and statistics)")
+                     for n in gm.graph.nodes if n.target in mixed and n.name in plan.low_nodes)
     policy = FP32_BY_PRACTICE if ctx.training else "numerically sensitive (policy)"
     kept_ops += [KeptOp(n.name, _op(n), policy)
                  for n in gm.graph.nodes if n.target in ops.SENSITIVE.aten

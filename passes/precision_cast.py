@@ -107,7 +107,8 @@ def pinned_nodes(gm: GraphModule) -> set[Node]:
 
 
 def apply_casts(gm: GraphModule, low: Iterable[str], dtype: torch.dtype, *,
-                store_params: bool, wide: Collection[str] = ()) -> CastPlan:
+                store_params: bool, wide: Collection[str] = (),
+                mixed: Collection[Any] = ()) -> CastPlan:
     """Rewrite ``gm`` in place so the nodes named in ``low`` compute in ``dtype``.
 
     Args:
@@ -119,10 +120,13 @@ def apply_casts(gm: GraphModule, low: Iterable[str], dtype: torch.dtype, *,
             the fp32 parameter (training: fp32 master weights).
         wide: nodes holding values ``dtype`` cannot (``out_of_range``): they stay fp32, and
             where one is an attention mask of a low-precision op it is clamped into range.
+        mixed: op targets that take their first input in ``dtype`` where it arrives so, and
+            every other argument (weights, statistics) as it is: a training BatchNorm, which
+            computes in fp32 inside (``precision_policy.MIXED_INPUT``).
     """
     low, wide = set(low), set(wide)
     pinned = pinned_nodes(gm)
-    region = _regions(gm, low, dtype, pinned, wide)
+    region = _regions(gm, low, dtype, pinned, wide, mixed)
     original = {n: _dtype(meta_val(n)) for n in gm.graph.nodes}  # before any meta changes
     params_low = _params_to_store(gm, region, pinned, wide) if store_params else set()
     stored = _store_params(gm, params_low, dtype)
@@ -178,6 +182,8 @@ def apply_casts(gm: GraphModule, low: Iterable[str], dtype: torch.dtype, *,
         for arg in _tensor_inputs(node):
             have = out_dtype(arg)
             want = target if target is not None else original.get(arg)
+            if target is not None and node.target in mixed and arg is not node.args[0]:
+                want = original.get(arg)
             if have is None or want is None or have == want:
                 continue
             if not (have.is_floating_point and want.is_floating_point):
@@ -202,13 +208,16 @@ class CastInterpreter(Interpreter):
         dtype: the low precision.
         params: low-precision copies of attributes, by attribute name, shared across runs.
         wide: nodes holding values ``dtype`` cannot (``out_of_range``).
+        mixed: op targets whose first input alone follows the region (``apply_casts``).
     """
 
     def __init__(self, gm: GraphModule, low: Iterable[str], dtype: torch.dtype,
-                 params: dict[str, torch.Tensor], wide: Collection[str] = ()) -> None:
+                 params: dict[str, torch.Tensor], wide: Collection[str] = (),
+                 mixed: Collection[Any] = ()) -> None:
         super().__init__(gm)
         self.wide = set(wide)
-        self.region = _regions(gm, set(low), dtype, pinned_nodes(gm), self.wide)
+        self.mixed = frozenset(mixed)
+        self.region = _regions(gm, set(low), dtype, pinned_nodes(gm), self.wide, self.mixed)
         self.original = {n: _dtype(meta_val(n)) for n in gm.graph.nodes}
         self.params = params
 
@@ -218,6 +227,11 @@ class CastInterpreter(Interpreter):
         if n.op != "call_function" or n.target is operator.getitem:
             return super().run_node(n)
         target = self.region.get(n)
+        if target is not None and n.target in self.mixed:  # the first input alone follows
+            rest = map_arg(n.args[1:], lambda a: self._load(a, None))
+            args = (map_arg(n.args[0], lambda a: self._load(a, target)), *rest)
+            kwargs = map_arg(n.kwargs, lambda a: self._load(a, None))
+            return self.call_function(n.target, args, kwargs)
         args = map_arg(n.args, lambda a: self._load(a, target))
         kwargs = map_arg(n.kwargs, lambda a: self._load(a, target))
         return self.call_function(n.target, args, kwargs)
@@ -269,14 +283,15 @@ def _insert_saturation(gm: GraphModule, source: Node, dtype: torch.dtype, where:
 
 
 def _regions(gm: GraphModule, low: set[str], dtype: torch.dtype, pinned: set[Node],
-             wide: Collection[str] = ()) -> dict[Node, torch.dtype]:
+             wide: Collection[str] = (), mixed: Collection[Any] = ()) -> dict[Node, torch.dtype]:
     """The compute dtype of each call node that changes (absent: keeps its original dtypes).
 
-    Chosen candidates run in ``dtype``, sensitive ops in fp32; other ops on fp32 values follow
+    Chosen candidates run in ``dtype``, the other candidates and sensitive ops in fp32 (one
+    kept in fp32 by measurement must not follow a low input); other ops on fp32 values follow
     their inputs: low when some input is low and none is an fp32 activation (parameters and
     constants can be cast either way), so regions grow without casts between neighbours.
     Ops holding values ``dtype`` cannot (``wide``: a mask fill of ``finfo(float32).min``) stay
-    fp32.
+    fp32. A ``mixed`` op follows its first input alone (its weights and statistics stay fp32).
     """
     region: dict[Node, torch.dtype] = {}
     for node in gm.graph.nodes:
@@ -290,6 +305,13 @@ def _regions(gm: GraphModule, low: set[str], dtype: torch.dtype, pinned: set[Nod
             continue
         if node.name in low:
             region[node] = dtype
+            continue
+        if node.target in ops.COSTLY.aten:  # a candidate not chosen: fp32, whatever feeds it
+            continue
+        if node.target in mixed:
+            first = node.args[0] if node.args else None
+            if isinstance(first, Node) and region.get(first) == dtype:
+                region[node] = dtype
             continue
         if node.target in ops.SENSITIVE.aten:
             continue

@@ -3,8 +3,9 @@ low, the ops it keeps in fp32 stay fp32, and measurement decides only speed.
 
     conv ─ batch_norm ─ relu ─ conv ─ … ─ linear ─ cross_entropy                 (fp32)
                                   ⟶
-    to(bf16) ─ conv ─ to(fp32) ─ batch_norm ─ relu ─ to(bf16) ─ conv ─ … ─ linear ─ to(fp32) ─ …
-    (parameters stay fp32 and are cast inside the graph: fp32 master weights, fp32 gradients)
+    to(bf16) ─ conv ─ batch_norm ─ relu ─ conv ─ … ─ linear ─ to(fp32) ─ cross_entropy
+    (parameters stay fp32 and are cast inside the graph: fp32 master weights, fp32 gradients;
+     batch_norm takes the bf16 activation with its fp32 weights and statistics, as autocast)
 
 Inference measures each op's error and keeps in fp32 what the tolerance cannot afford
 (``precision.choose``). Training cannot be judged that way: a bf16 convolution on random weights
@@ -45,6 +46,11 @@ AUTOCAST_LOW = ops.COSTLY
 # What it runs in fp32 (its fp32 list): softmax and log-softmax, norms, reductions and
 # cumulative sums, exp/log/pow, losses. Every other op follows its inputs' dtype.
 AUTOCAST_FP32 = ops.SENSITIVE
+# Ops that take a low-precision activation next to fp32 weights and statistics and compute in
+# fp32 inside: autocast leaves BatchNorm to its input's dtype (cuDNN and the CPU kernel
+# accumulate in fp32, the running statistics stay fp32), so a conv ─ bn ─ relu ─ conv chain
+# needs no cast on either side of the norm. Only the first argument follows the region.
+MIXED_INPUT = ops.OpSet(frozenset({torch.ops.aten.batch_norm.default}))
 # Why an op of AUTOCAST_FP32 stays fp32 in training, for the report.
 FP32_BY_PRACTICE = ("fp32 by mixed-precision practice (autocast keeps norms, softmax, "
                     "reductions, exp/log/pow and losses in fp32)")

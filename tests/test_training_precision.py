@@ -97,13 +97,32 @@ def test_bf16_training_tracks_autocast_loss_curve(case: Any, optimizer: str) -> 
                             training=True, pass_options=ALL_LOW)
     summary = fast.report.captures[0].precision
     assert summary is not None and summary.training, str(fast.report)
-    assert summary.low_ops == len(summary.low) > 0
+    assert 0 < summary.low_ops <= len(summary.low)  # and the BatchNorms taking bf16
     # No candidate left in fp32 for its error: every autocast op runs in bf16.
     assert not [k for k in summary.kept if "practice" not in k.why], summary.lines()
     losses = _train(fast, loss_of, optimizer)
     deviation = max(abs(a - b) for a, b in zip(losses, reference, strict=True)) / reference[0]
     assert deviation <= CURVE_TOLERANCE, (losses, reference)
     assert losses[-1] < 0.7 * losses[0] and reference[-1] < 0.7 * reference[0]  # both learn
+
+
+def test_batch_norm_takes_the_bf16_activation_with_fp32_statistics() -> None:
+    # As autocast: conv ─ bn ─ relu ─ conv stays bf16 with no cast around the norm, whose
+    # weights and running statistics stay fp32 (and are updated as in fp32).
+    model, args, kwargs, loss_of = _cnn_case()
+    fast = autoopt.optimize(copy.deepcopy(model), args, kwargs, precision="bf16",
+                            training=True, pass_options=ALL_LOW)
+    summary = fast.report.captures[0].precision
+    # x, two weights and a bias per convolution and the head, the logits back to fp32.
+    assert summary.casts == 8, summary.lines()
+    assert [op for _, op in summary.low if "statistics" in op] == [
+        "batch_norm.default (fp32 weights and statistics)"] * 2
+    loss_of(fast).backward()
+    loss_of(model).backward()
+    for (name, mine), theirs in zip(fast.module.named_buffers(), model.buffers(), strict=True):
+        assert mine.dtype == theirs.dtype, name
+        torch.testing.assert_close(mine.float(), theirs.float(), rtol=2e-2, atol=2e-2,
+                                   msg=name)
 
 
 def test_gradients_reach_fp32_master_parameters() -> None:
