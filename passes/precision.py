@@ -20,7 +20,6 @@ whole step is the check.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import math
 from collections.abc import Callable, Hashable, Sequence
@@ -173,25 +172,24 @@ def cast_precision(gm: GraphModule, ctx: PassContext) -> PassResult:
 
         if ctx.training:  # the field's practice decides; measurement only speed
             chosen, kept = training_choice(nodes, dtype, ctx)
-            low = set(chosen)
+            step, seconds = precision_policy.step_choice(gm, set(chosen), set(names), dtype,
+                                                         ctx, wide, mixed)
+            low = step or set()
+            if seconds and step is not None and step != set(chosen):
+                log.info("precision %s: every candidate in %s: the step measures %.3g ms, "
+                         "%.3g ms with those that pay alone", precision, precision,
+                         seconds["all"] * 1e3, seconds["chosen"] * 1e3)
+                kept = {}
             error = error_of(low) if low else 0.0
         else:
             low, kept, error = choose(names, error_of, _MARGIN * tolerance, kinds)
     if not low:
         log.info("precision %s: no op %s in low precision", precision,
-                 "measured faster" if ctx.training else f"fits the tolerance {tolerance:g}")
+                 "measured faster (alone or in the whole step)" if ctx.training
+                 else f"fits the tolerance {tolerance:g}")
         return PassResult(gm, False)
     low_ops = tuple((n.name, _op(n)) for n in nodes if n.name in low)
-    fp32 = GraphModule(gm, copy.deepcopy(gm.graph)) if ctx.training else None
     plan = apply_casts(gm, low, dtype, store_params=not ctx.training, wide=wide, mixed=mixed)
-    if fp32 is not None:  # the casts between ops can cost more than the ops gain
-        gm.recompile()
-        speed = precision_policy.step_speed(fp32, gm, ctx)
-        if speed is not None and not speed.pays:
-            log.info("precision %s not applied: the training step measures %.3g ms with "
-                     "%d op(s) in %s, %.3g ms in fp32", precision, speed.low_s * 1e3,
-                     len(low), precision, speed.fp32_s * 1e3)
-            return PassResult(gm, False)
     # Where a huge value enters (a fill, a factor, an input): not every op it flows through.
     sources = [n for n in wide if by_name[n].op == "call_function" and n not in refused
                and not any(a.name in wide and a.op == "call_function"

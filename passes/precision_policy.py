@@ -20,9 +20,10 @@ with autocast.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ from autoopt.cost_model.estimate import op_name, value_spec
 from . import ops
 from .base import PassContext
 from .graph import meta_val
-from .precision_cast import attention_mask
+from .precision_cast import apply_casts, attention_mask
 
 log = logging.getLogger(__name__)
 
@@ -99,15 +100,42 @@ def training_choice(nodes: Sequence[Node], dtype: torch.dtype, ctx: PassContext,
     return low, kept
 
 
-def step_speed(fp32: GraphModule, low: GraphModule, ctx: PassContext) -> Speed | None:
+def step_choice(gm: GraphModule, chosen: set[str], every: set[str], dtype: torch.dtype,
+                ctx: PassContext, wide: Collection[str] = (), mixed: Collection[Any] = (),
+                ) -> tuple[set[str] | None, dict[str, float]]:
     """The whole graph's training step (forward, and backward to every parameter and input
-    that requires grad) with and without the casts, timed by the cost model on the example
-    inputs: per op, low precision can pay while the casts between ops cost more. None where
-    the graph cannot be measured (no cost model, ``measure`` off)."""
+    that requires grad) timed by the cost model on the example inputs in fp32, with the
+    ``chosen`` ops cast, and with ``every`` candidate cast: alone an op may not pay while the
+    casts between ops cost more, or, with its neighbours low, no cast is left to pay for.
+
+    Returns:
+        (the set to cast, or None to stay fp32; the seconds measured per variant, empty where
+        nothing was measured: then ``chosen``).
+    """
     if not _measuring(ctx):
-        return None
+        return chosen, {}
+    variants: dict[str, set[str]] = {"fp32": set(), "chosen": chosen}
+    if every != chosen:
+        variants["all"] = every
+    graphs = {}
+    for key, names in variants.items():
+        graphs[key] = GraphModule(gm, copy.deepcopy(gm.graph))
+        if names:
+            apply_casts(graphs[key], names, dtype, store_params=False, wide=wide, mixed=mixed)
+        graphs[key].recompile()
+    seconds = step_seconds(graphs, ctx)
+    if not seconds:
+        return chosen, {}
+    best = min(seconds, key=lambda k: (seconds[k], list(seconds).index(k)))  # ties: fp32
+    return (variants[best] or None), seconds
+
+
+def step_seconds(graphs: dict[str, GraphModule], ctx: PassContext) -> dict[str, float]:
+    """Seconds of a training step of each graph (all sharing one set of weights), measured
+    interleaved by the cost model and cached; empty where they cannot be timed."""
     inputs = tuple(ctx.example_inputs)
-    leaves = [p for p in fp32.parameters() if p.requires_grad]
+    first = next(iter(graphs.values()))
+    leaves = [p for p in first.parameters() if p.requires_grad]
     leaves += [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
 
     def step(gm: GraphModule) -> Any:
@@ -120,17 +148,18 @@ def step_speed(fp32: GraphModule, low: GraphModule, ctx: PassContext) -> Speed |
         return run
 
     # The graph's code names its weights, not their shapes: those go into the key too.
-    weights = [t for t in fp32.state_dict().values() if isinstance(t, torch.Tensor)]
-    code = hashlib.sha1((fp32.code + low.code + value_spec(weights)).encode()).hexdigest()
-    what = f"training step graph|{code[:20]}|{value_spec(list(inputs))}"
+    weights = [t for t in first.state_dict().values() if isinstance(t, torch.Tensor)]
+    code = hashlib.sha1(("".join(g.code for g in graphs.values())
+                         + value_spec(weights)).encode()).hexdigest()
+    what = f"training step graphs|{code[:20]}|{value_spec(list(inputs))}"
     tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
     try:
-        _, seconds = ctx.cost.fastest(what, {"fp32": step(fp32), "low": step(low)},
-                                      state=[fp32, *tensors], grad=True, budget_s=5.0)
+        _, seconds = ctx.cost.fastest(what, {k: step(g) for k, g in graphs.items()},
+                                      state=[first, *tensors], grad=True, budget_s=5.0)
     except RuntimeError as exc:
         log.info("precision: the training step could not be timed (%s)", exc)
-        return None
-    return Speed(seconds["fp32"], seconds["low"])
+        return {}
+    return seconds
 
 
 def measure_speed(node: Node, dtype: torch.dtype, ctx: PassContext) -> Speed | None:

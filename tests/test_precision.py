@@ -36,8 +36,8 @@ def _low_precision_measures_faster(monkeypatch: pytest.MonkeyPatch) -> None:
     # In training each op's speed decides (precision_policy): pinned to "faster" as well.
     monkeypatch.setattr(precision_policy, "measure_speed",
                         lambda node, dtype, ctx: precision_policy.Speed(1.0, 0.5))
-    monkeypatch.setattr(precision_policy, "step_speed",
-                        lambda fp32, low, ctx: precision_policy.Speed(1.0, 0.5))
+    monkeypatch.setattr(precision_policy, "step_seconds",
+                        lambda graphs, ctx: {k: 0.5 if k == "chosen" else 1.0 for k in graphs})
 
 
 class Block(nn.Module):

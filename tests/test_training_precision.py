@@ -159,7 +159,8 @@ def test_an_op_measured_not_faster_stays_fp32_with_its_times(
         return Speed(1e-3, 2e-3) if "conv" in str(node.target) else Speed(1e-3, 5e-4)
 
     monkeypatch.setattr(precision_policy, "measure_speed", speed)
-    monkeypatch.setattr(precision_policy, "step_speed", lambda fp32, low, ctx: Speed(1.0, 0.9))
+    monkeypatch.setattr(precision_policy, "step_seconds", lambda graphs, ctx: {
+        "fp32": 1.0, "chosen": 0.9, "all": 0.95})
     model, args, kwargs, _ = _cnn_case()
     fast = autoopt.optimize(model, args, kwargs, precision="bf16", training=True)
     summary = fast.report.captures[0].precision
@@ -168,12 +169,27 @@ def test_an_op_measured_not_faster_stays_fp32_with_its_times(
     assert len(slower) == 2 and "2 ms vs 1 ms in fp32" in slower[0].why
 
 
+def test_ops_slower_alone_run_low_where_the_whole_step_is_faster_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Alone a convolution pays for casting its activation; between bf16 neighbours it has none
+    # to pay for: the step with every candidate low measures fastest, and wins.
+    monkeypatch.setattr(precision_policy, "measure_speed", lambda node, dtype, ctx: (
+        Speed(1e-3, 2e-3) if "conv" in str(node.target) else Speed(1e-3, 5e-4)))
+    monkeypatch.setattr(precision_policy, "step_seconds", lambda graphs, ctx: {
+        "fp32": 1.0, "chosen": 0.9, "all": 0.8})
+    model, args, kwargs, _ = _cnn_case()
+    fast = autoopt.optimize(model, args, kwargs, precision="bf16", training=True)
+    summary = fast.report.captures[0].precision
+    assert summary.low_ops == 3 and not [k for k in summary.kept if "measured" in k.why]
+
+
 def test_casts_that_make_the_whole_step_slower_are_not_applied(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Every op pays alone, but the step with the casts between them measures slower.
     monkeypatch.setattr(precision_policy, "measure_speed",
                         lambda node, dtype, ctx: Speed(1e-3, 5e-4))
-    monkeypatch.setattr(precision_policy, "step_speed", lambda fp32, low, ctx: Speed(1.0, 1.2))
+    monkeypatch.setattr(precision_policy, "step_seconds",
+                        lambda graphs, ctx: {"fp32": 1.0, "chosen": 1.2})
     model, args, kwargs, loss_of = _cnn_case()
     fast = autoopt.optimize(copy.deepcopy(model), args, kwargs, precision="bf16",
                             training=True)
