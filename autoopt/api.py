@@ -2,8 +2,9 @@
 
 A thin facade over the core (``autoopt.build``, ``autoopt.module``): it builds the optimized
 module, then hands it on to the features layered on top — the pipeline package for
-``devices=``, the HTML report for ``report=``. The core imports none of them, so no feature
-imports the core back through here.
+``devices=``, the HTML report for ``report=``, ``generate`` for language models
+(``autoopt.generation``'s module class). The core imports none of them, so no feature imports
+the core back through here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .build import capture_example, check_inputs, prepare, unwrap
 from .config import OptimizeConfig
 from .diagnose.collect import collect
 from .diagnose.render import write_report
+from .generation import module_class
 from .module import OptimizedModule, Specialization
 from .parallel.planning import pipeline_module
 
@@ -57,7 +59,8 @@ def optimize(model: nn.Module, example_inputs: Any = (), example_kwargs: Mapping
     optimized, args, kwargs, training = prepare(model, example_inputs, example_kwargs, cfg,
                                                 device=device, dynamic=dynamic,
                                                 dynamic_shapes=dynamic_shapes,
-                                                training=training)
+                                                training=training,
+                                                module_class=module_class(unwrap(model)))
     if cfg.devices is not None:  # a pipeline of one stage per device (autoopt.parallel)
         return pipeline_module(optimized, args, kwargs, training)  # type: ignore[return-value]
     capture_example(optimized, args, kwargs, training)

@@ -26,10 +26,12 @@ from .specialize import model_device
 def prepare(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, Any] | None,
             cfg: OptimizeConfig, *, device: str | torch.device | None = None,
             dynamic: bool = False, dynamic_shapes: Any = None, training: bool | None = None,
+            module_class: type[OptimizedModule] = OptimizedModule,
             ) -> tuple[OptimizedModule, tuple[Any, ...], dict[str, Any], bool]:
     """The core module for ``model`` (not yet captured), the example inputs on its device,
     and whether the example call is a training step. See ``autoopt.optimize`` for the
-    arguments."""
+    arguments; ``module_class`` is the ``OptimizedModule`` (sub)class to make (a feature
+    layered on the core, such as ``generate``, brings its own)."""
     model = unwrap(model)
     args, kwargs = check_inputs(example_inputs, example_kwargs)
     target = _resolve_device(model, device)
@@ -51,8 +53,8 @@ def prepare(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, 
     _check_devices_and_dtypes(private, args, kwargs)
     # precision=: reject what cannot work on this device; skip casts that would be slower.
     cfg, precision_notes = precision_lib.check_target(cfg, model_device(private), training)
-    optimized = OptimizedModule(private, cfg, dynamic=dynamic, dynamic_shapes=dynamic_shapes,
-                                shares_weights=share)
+    optimized = module_class(private, cfg, dynamic=dynamic, dynamic_shapes=dynamic_shapes,
+                             shares_weights=share)
     optimized.report.warnings.extend(precision_notes)
     if cfg.memory_budget is not None and not training:
         raise ConfigError("memory_budget limits the activations saved for a training step; "

@@ -36,12 +36,14 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from .build import build
 from .capture import objects
 from .errors import ConfigError
+from .module import OptimizedModule
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GenerationStats", "generate"]
+__all__ = ["GenerationStats", "GenerativeModule", "module_class"]
 
 
 @dataclass
@@ -237,8 +239,6 @@ class Generator:
 
     def step_for(self, spec: pytree.TreeSpec, name: str, tensors: list[torch.Tensor],
                  inputs: Mapping[str, Any]) -> Any:
-        from .api import optimize
-
         # Decode steps (one token) share one static graph; prompt steps one graph whose
         # sequence length is symbolic, so prompts of any length add no graph (and no copy
         # of the packed weights) each.
@@ -250,8 +250,8 @@ class Generator:
             log.info("generate: capturing a %s step graph for a cache of %d tensors",
                      "prompt" if prompt else "decode", len(tensors))
             model = _Step(self._optimized.module, spec, name).eval()
-            step = optimize(model, (tensors,), dict(inputs), config=self._optimized.config,
-                            training=False, dynamic=prompt)
+            step = build(model, (tensors,), dict(inputs), config=self._optimized.config,
+                         training=False, dynamic=prompt)
             log.info("generate: step graph ready in %.1f s", time.perf_counter() - started)
             self._steps[key] = step
             while len(self._steps) > _MAX_STEP_MODULES:  # each holds graphs and weight copies
@@ -320,10 +320,26 @@ class Generator:
         return result
 
 
-def generate(optimized: Any, *args: Any, **kwargs: Any) -> Any:
-    """``optimized.generate(...)``: see the module docstring."""
-    generator = optimized.__dict__.get("_generator")
-    if generator is None:
-        generator = Generator(optimized)
-        optimized.__dict__["_generator"] = generator
-    return generator.generate(*args, **kwargs)
+class GenerativeModule(OptimizedModule):
+    """The ``OptimizedModule`` ``autoopt.optimize`` returns for a model that has transformers'
+    ``generate``: the same module, plus ``generate``."""
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """``model.generate(...)`` with the same arguments and result, each step through
+        autoopt's graphs: a static KV cache, one verified graph for every decode step (see
+        ``autoopt.generation``)."""
+        generator = self.__dict__.get("_generator")
+        if generator is None:
+            generator = Generator(self)
+            self.__dict__["_generator"] = generator
+        return generator.generate(*args, **kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_generator", None)  # its step graphs, like the module's own
+        return state
+
+
+def module_class(model: nn.Module) -> type[OptimizedModule]:
+    """What ``autoopt.optimize`` makes for ``model``."""
+    return GenerativeModule if callable(getattr(model, "generate", None)) else OptimizedModule

@@ -129,14 +129,6 @@ class OptimizedModule(nn.Module):
         ``specialization_for``); None where the model runs through Dynamo or eagerly."""
         return self.specialization_for(args, kwargs).graph
 
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """``model.generate(...)`` with the same arguments and result, each step through
-        autoopt's graphs: a static KV cache, one verified graph for every decode step (see
-        ``autoopt.generation``). For models with transformers' ``generate``."""
-        from .generation import generate  # a feature on top of the core, loaded on use
-
-        return generate(self, *args, **kwargs)
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Checked before anything is found or captured: a graph captured during a swap would
         # hold copies of the swapped-in tensors.
@@ -268,7 +260,6 @@ class OptimizedModule(nn.Module):
         # module keeps the model, the options and the report, and captures again on load.
         state = dict(self.__dict__)
         state["_specializations"] = []
-        state.pop("_generator", None)  # its step graphs, as the module's own
         del state["_lock"]
         return state
 

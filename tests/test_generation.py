@@ -109,8 +109,7 @@ def test_int8_decodes_through_the_graph() -> None:
 
 def test_what_generate_cannot_do_is_an_error() -> None:
     linear = autoopt.optimize(nn.Linear(4, 4).eval(), (torch.randn(2, 4),))
-    with pytest.raises(ConfigError, match="no generate method"):
-        linear.generate(torch.randn(2, 4))
+    assert not hasattr(linear, "generate")  # only for models that have transformers' own
     model, ids = _gpt2(), _prompt()
     fast = autoopt.optimize(model, (ids,))
     with pytest.raises(ConfigError, match="static KV cache"):
