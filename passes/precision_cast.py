@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from . import ops
 from .graph import attr, fresh_name, meta_val
+from .merge_linear import MERGED_FROM
 
 aten = torch.ops.aten
 _CAST = aten._to_copy.default
@@ -355,6 +356,9 @@ def _store_params(gm: GraphModule, nodes: set[Node], dtype: torch.dtype) -> int:
             done[target] = name
         node.target = done[target]
         node.meta["val"] = _to(meta_val(node), dtype)
+        # A merged weight stored low is a tensor of its own now, not the concatenation of the
+        # user's fp32 weights the driver would read it as again.
+        node.meta.pop(MERGED_FROM, None)
     return len(done)
 
 
