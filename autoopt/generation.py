@@ -278,11 +278,7 @@ class Generator:
         return [step.report for step in self._steps.values()]
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        module = self._optimized.module
-        if not hasattr(module, "generate"):
-            raise ConfigError(f"generate: {type(module).__name__} has no generate method; "
-                              f"autoopt runs transformers' generation loop, which causal "
-                              f"language models (GenerationMixin) have.")
+        module = self._optimized.module  # has generate: see module_class
         if module.training:
             raise ConfigError("generate: the model is in train mode; optimize it in eval mode "
                               "(model.eval()) to generate.")
@@ -307,7 +303,10 @@ class Generator:
             try:
                 result = driver.generate(*args, **kwargs)
             except (IndexError, RuntimeError) as exc:
-                raise _beyond_positions(module, args, kwargs) or exc from exc
+                clear = _beyond_positions(module, args, kwargs)
+                if clear is None:
+                    raise
+                raise clear from exc
         self.stats.seconds = time.perf_counter() - started
         if self.stats.eager_steps > 1 and not self.stats.graph_steps:
             self.stats.note = (f"every step ran eagerly: the model's cache "

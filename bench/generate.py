@@ -44,8 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cost_model_accuracy import publish  # noqa: E402
 
 import autoopt  # noqa: E402
-from autoopt.cli.generate import time_generation, weight_bytes  # noqa: E402
+from autoopt.cli.generate import time_generation  # noqa: E402
 from autoopt.cost_model.device import device_info  # noqa: E402
+from autoopt.export.onnx_writer import weight_bytes  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..errors import ConfigError
+from ..export.onnx_writer import weight_bytes
 from ..passes.precision import PRECISIONS
 from .common import add_common_arguments
 from .progress import output, stage
@@ -88,11 +88,6 @@ def time_generation(runners: dict[str, Callable[..., Any]], ids: torch.Tensor, n
     return {name: GenerationTiming(statistics.median(first[name]),
                                    statistics.median(total[name]), ids.shape[0], new)
             for name in runners}
-
-
-def weight_bytes(model: nn.Module) -> int:
-    return sum(t.numel() * t.element_size()
-               for t in {id(t): t for t in (*model.parameters(), *model.buffers())}.values())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -108,8 +108,9 @@ def _quiet() -> Iterator[None]:
             log.debug("torch.onnx.export printed:\n%s", captured.getvalue())
 
 
-def weight_bytes(gm: GraphModule) -> int:
-    """Bytes of every parameter, buffer and tensor constant the graph holds, each once."""
+def weight_bytes(gm: nn.Module) -> int:
+    """Bytes of every parameter, buffer and tensor constant the module (a graph module, or a
+    model) holds, each once."""
     tensors: dict[int, torch.Tensor] = {}
     for module in gm.modules():
         for value in (*module._parameters.values(), *module._buffers.values(),
