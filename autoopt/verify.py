@@ -216,18 +216,27 @@ def _leaves(obj: Any, path: str, depth: int = 0) -> Iterator[tuple[str, Any]]:
         for i, item in enumerate(obj):
             yield from _leaves(item, f"{path}[{i}]", depth + 1)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from _leaves(getattr(obj, f.name), f"{path}.{f.name}", depth + 1)
+        for name in attribute_names(obj):
+            yield from _leaves(getattr(obj, name), f"{path}.{name}", depth + 1)
     elif obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, torch.dtype,
                                          torch.device, torch.Size)):
         yield path, obj
     elif hasattr(obj, "__dict__") and not callable(obj):
         # Objects that carry tensors in attributes, such as transformers' KV caches.
-        for k, v in sorted(vars(obj).items()):
-            if not k.startswith("__"):
-                yield from _leaves(v, f"{path}.{k}", depth + 1)
+        for name in attribute_names(obj):
+            yield from _leaves(getattr(obj, name), f"{path}.{name}", depth + 1)
     else:
         yield path, type(obj).__name__
+
+
+def attribute_names(obj: Any) -> list[str]:
+    """The attributes of an object that holds values, in the order its leaves are walked: a
+    dataclass's fields, else its instance attributes sorted by name. ``capture.objects`` takes
+    objects apart in this order, and ONNX output names follow it, so there is one order."""
+    state = getattr(obj, "__dict__", None)
+    if dataclasses.is_dataclass(obj):
+        return [f.name for f in dataclasses.fields(obj) if state is None or f.name in state]
+    return sorted(k for k in vars(obj) if not k.startswith("__"))
 
 
 def fresh_like(value: Any, generator: torch.Generator) -> Any:

@@ -224,3 +224,30 @@ def test_a_type_the_user_registered_keeps_the_user_s_rules() -> None:
         torch.testing.assert_close(out.b, x * 2)
     finally:
         pytree._deregister_pytree_node(_Pair)
+
+
+class _Holder:
+    """An object of the user's with tensors in attributes set out of name order."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self.zeta, self.alpha, self.mid = tensors[0], tensors[1], {"k": tensors[2]}
+        self.flag = True
+
+
+@dataclasses.dataclass
+class _Fields:
+    later: torch.Tensor
+    earlier: torch.Tensor
+
+
+def test_objects_are_taken_apart_in_the_order_verification_walks_them() -> None:
+    """Export's output spec and verification (and so ONNX output names) walk an object's
+    attributes in one order: a dataclass by its fields, anything else by sorted names."""
+    from autoopt.capture import objects
+    from autoopt.verify import _leaves
+
+    tensors = [torch.full((1,), float(i)) for i in range(5)]
+    value = (_Holder(*tensors[:3]), _Fields(tensors[3], tensors[4]))
+    leaves, _ = objects.flatten(value)
+    walked = [leaf for _, leaf in _leaves(value, "out") if isinstance(leaf, torch.Tensor)]
+    assert [t.item() for t in leaves] == [t.item() for t in walked] == [1.0, 2.0, 0.0, 3.0, 4.0]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +28,8 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
+
+from ..verify import attribute_names
 
 _PLAIN = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 
@@ -49,7 +50,7 @@ def foreign_types(value: Any) -> tuple[type, ...]:
                 walk(child, depth + 1)
         elif _is_object(obj) and holds_tensor(obj):
             found.setdefault(kind)
-            for name in _attribute_names(obj):
+            for name in attribute_names(obj):
                 walk(getattr(obj, name), depth + 1)
 
     walk(value, 0)
@@ -66,7 +67,7 @@ def holds_tensor(obj: Any, depth: int = 0) -> bool:
     if isinstance(obj, (list, tuple)):
         return any(holds_tensor(v, depth + 1) for v in obj)
     if _is_object(obj):
-        return any(holds_tensor(getattr(obj, n), depth + 1) for n in _attribute_names(obj))
+        return any(holds_tensor(getattr(obj, n), depth + 1) for n in attribute_names(obj))
     return False
 
 
@@ -76,16 +77,8 @@ def _is_object(obj: Any) -> bool:
             and not callable(obj))
 
 
-def _attribute_names(obj: Any) -> list[str]:
-    """Attribute names in the order ``autoopt.verify`` walks an object's leaves."""
-    state = vars(obj)
-    if dataclasses.is_dataclass(obj):
-        return [f.name for f in dataclasses.fields(obj) if f.name in state]
-    return sorted(k for k in state if not k.startswith("__"))
-
-
 def _flatten(obj: Any) -> tuple[list[Any], Any]:
-    names = _attribute_names(obj)
+    names = attribute_names(obj)
     children = [n for n in names if holds_tensor(getattr(obj, n))]
     constants = tuple((k, v) for k, v in vars(obj).items() if k not in children)
     return [getattr(obj, n) for n in children], (type(obj), tuple(children), constants)
