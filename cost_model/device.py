@@ -158,22 +158,33 @@ def _cuda_info(dev: torch.device) -> DeviceInfo:
                       props.multi_processor_count, clock, link, link_bw, notes=tuple(notes))
 
 
-def eviction_bytes(dev: torch.device) -> int:
+def eviction_bytes(dev: torch.device, *, last_level: bool = False) -> int:
     """Bytes to overwrite so a timed op finds nothing of its own in cache: twice the L2 (the
-    per-core L2 from sysfs on a CPU, 2 MiB where unknown)."""
+    per-core L2 from sysfs on a CPU, 2 MiB where unknown), or with ``last_level`` twice the
+    last-level cache (a CPU's L3; a GPU's L2 either way)."""
     if dev.type == "cuda":
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         l2 = getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0) or 2**25
         return 2 * int(l2)
+    return 2 * cpu_cache_bytes(last_level=last_level)
+
+
+def cpu_cache_bytes(*, last_level: bool = False) -> int:
+    """The size of the first core's L2 cache, or of the last-level cache it shares (L3), from
+    sysfs; 2 MiB (L2) or 32 MiB (last level) where unknown."""
+    sizes: dict[int, int] = {}
     try:
         for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-            if (index / "level").read_text().strip() == "2":
-                text = (index / "size").read_text().strip().upper()
-                scale = {"K": 2**10, "M": 2**20}.get(text[-1], 1)
-                return 2 * int(text.rstrip("KM")) * scale
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            text = (index / "size").read_text().strip().upper()
+            scale = {"K": 2**10, "M": 2**20}.get(text[-1], 1)
+            sizes[int((index / "level").read_text())] = int(text.rstrip("KM")) * scale
     except (OSError, ValueError):
-        pass
-    return 4 * 2**20
+        sizes = {}
+    if last_level:
+        return sizes[max(sizes)] if sizes else 32 * 2**20
+    return sizes.get(2, 2 * 2**20)
 
 
 def measure_ceilings(dev: torch.device) -> Ceilings:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import statistics
 import warnings
@@ -122,13 +123,18 @@ class CostModel:
             self._info = device_info(self.device, cache=self.cache)
         return self._info
 
-    def evict_cache(self) -> None:
+    def evict_cache(self, last_level: bool = False) -> None:
         """Overwrite a buffer twice the size of the L2 cache, so the next timed call starts
-        cold."""
-        if self._scratch is None:
-            self._scratch = torch.empty(eviction_bytes(self.device) // 4, dtype=torch.float32,
-                                        device=self.device)
-        self._scratch.fill_(1.0)
+        cold; with ``last_level``, read one twice the size of the last-level cache (read, so
+        that the timed call does not also pay for writing back what evicted its data, as a
+        layer after a layer that only read its weights does not)."""
+        size = eviction_bytes(self.device, last_level=last_level) // 4
+        if self._scratch is None or self._scratch.numel() < size:
+            self._scratch = torch.ones(size, dtype=torch.float32, device=self.device)
+        if last_level:
+            self._scratch[:size].sum()
+        else:
+            self._scratch[:size].fill_(1.0)
 
     # --- keys ------------------------------------------------------------------------------
 
@@ -275,7 +281,7 @@ class CostModel:
     def fastest(self, what: str, candidates: dict[str, Any], repeats: int = 3,
                 state: Sequence[Any] = (), *, grad: bool = False,
                 budget_s: float | None = None, cache_as: Iterable[str] | None = None,
-                ) -> tuple[str, dict[str, float]]:
+                cold: bool = False) -> tuple[str, dict[str, float]]:
         """Which of several equivalent kernels runs fastest here, and each one's seconds.
 
         ``candidates`` maps a kernel's name to a no-argument callable that runs it on real
@@ -288,6 +294,12 @@ class CostModel:
         ``budget_s`` stops after the round that spends it (at least three rounds).
         ``cache_as`` names the choice in the cache (default: the candidates): the candidates
         asked for, of which some could not be built, so that ``recorded`` finds it.
+        ``cold`` evicts the last-level cache too: for a kernel whose operands will not be in
+        cache when it runs (a layer's weights, where the model's weights are larger than the
+        cache, come from memory on every call), which kernel is fastest can differ (a
+        matrix-vector product: a kernel that streams memory well against one that computes
+        well from cache). ``what`` names the regime too, so that a choice is not read back for
+        the other one.
         """
         names = list(cache_as) if cache_as is not None else list(candidates)
         stored = self.recorded(what, names)
@@ -304,7 +316,7 @@ class CostModel:
                     for name, fn in candidates.items():
                         samples[name].append(median_seconds(
                             lambda i, fn=fn: fn(), self.device, warmup=0, repeats=1,
-                            before=self.evict_cache))
+                            before=functools.partial(self.evict_cache, cold)))
                     spent += sum(s[-1] for s in samples.values())
                     if budget_s is not None and spent > budget_s and round_ >= 2:
                         break

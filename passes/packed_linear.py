@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule, Node
 
+from autoopt.cost_model.device import cpu_cache_bytes
 from autoopt.cost_model.isolation import is_read_only
 
 from . import ops
@@ -149,6 +150,7 @@ class _Linear:
     bias: Node | None
     rows: int
     derived: bool = False  # a constant a pass made (read-only), not the model's own weight
+    cold: bool = False  # read from memory, not cache, on every call (_weights_outgrow_cache)
 
 
 def kernels(device: torch.device) -> tuple[str, ...]:
@@ -192,8 +194,9 @@ def packed_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
     counts = {"linear": 0, **dict.fromkeys(KERNELS, 0), "linear_kept_aten": 0, "packed_mib": 0}
     packed_bytes = 0
     graph = gm.graph
+    cold = measure and _weights_outgrow_cache(gm)
     for node in list(graph.nodes):
-        linear = _eligible(gm, node)
+        linear = _eligible(gm, node, cold)
         if linear is None:
             continue
         if measure:
@@ -218,7 +221,7 @@ def packed_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
     return PassResult(gm, "linear" in counts, counts)
 
 
-def _eligible(gm: GraphModule, node: Node) -> _Linear | None:
+def _eligible(gm: GraphModule, node: Node, cold: bool = False) -> _Linear | None:
     """The linear's parts, if MKL's packed GEMM computes exactly what the node does: an fp32
     input of static shape, a constant 2-D fp32 weight, a constant bias of the output's width
     (or none), and for ``addmm`` no scaling (``beta = alpha = 1``)."""
@@ -256,7 +259,7 @@ def _eligible(gm: GraphModule, node: Node) -> _Linear | None:
     rows = math.prod(value.shape[:-1])
     if rows == 0:
         return None
-    return _Linear(node, x, weight.detach(), bias, rows, derived)
+    return _Linear(node, x, weight.detach(), bias, rows, derived, cold)
 
 
 def _constant_weight(gm: GraphModule, node: Any) -> tuple[torch.Tensor | None, bool]:
@@ -273,16 +276,33 @@ def _constant_weight(gm: GraphModule, node: Any) -> tuple[torch.Tensor | None, b
     return None, False
 
 
+def _weights_outgrow_cache(gm: GraphModule) -> bool:
+    """Whether the linears' weights together are larger than the last-level cache: then each
+    call reads its weight from memory, not from cache (a decoder's step reads every weight
+    once), and the kernels are measured that way. At one row, from cache, ATen and MKL measure
+    as fast as oneDNN; streaming from memory oneDNN's reads ~1.8x faster on an AMD EPYC (36
+    against 18-21 GB/s at 1 thread over GPT-2's layers)."""
+    total = 0  # from the shapes, not _eligible: that would concatenate merged weights
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in (ops.LINEAR | ops.ADDMM | ops.MM).aten:
+            continue
+        kw = call_kwargs(node) or {}
+        x, y = meta_val(kw.get("mat1", kw.get("input"))), meta_val(node)
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dim() and y.dim():
+            total += int(x.shape[-1]) * int(y.shape[-1]) * y.element_size()
+    return total > cpu_cache_bytes(last_level=True)
+
+
 def _choose(gm: GraphModule, ctx: PassContext, linear: _Linear,
             candidates: tuple[str, ...]) -> PackedLinear | None:
     """The packed kernel the cost model measures fastest for this shape, or None where
     ``aten.linear`` is: every packed kernel of ``candidates`` and ATen, on a random input of the
-    real shape (ties go to MKL, then oneDNN, then ATen)."""
+    real shape (ties go to MKL, then oneDNN, then ATen), from memory where ``linear.cold``."""
     value = meta_val(linear.input)
     x = torch.randn(value.shape, dtype=value.dtype)
     bias = attr(gm, linear.bias) if linear.bias is not None else None
     what = (f"linear|{tuple(x.shape)}|{tuple(linear.weight.shape)}|{x.dtype}|"
-            f"bias={bias is not None}")
+            f"bias={bias is not None}" + ("|cold" if linear.cold else ""))
     # Packed copies are made as a candidate is first run: where this shape's choice is cached
     # (a decoder's repeated layers) only the winner is packed, and the losers' copies are
     # dropped on return.
@@ -292,6 +312,9 @@ def _choose(gm: GraphModule, ctx: PassContext, linear: _Linear,
     runs: dict[str, Any] = {name: (lambda make=make: make()(x, bias))
                             for name, make in packed.items()}
     runs["aten"] = lambda: F.linear(x, linear.weight, bias)
-    best, seconds = ctx.cost.fastest(what, runs)
+    # Cold runs are short and noisier (a memory-bound kernel shares the machine's bandwidth):
+    # more rounds.
+    best, seconds = ctx.cost.fastest(what, runs, repeats=7 if linear.cold else 3,
+                                     cold=linear.cold)
     log.debug("%s: %s -> %s", what, seconds, best)
     return packed[best]() if best in packed else None

@@ -4,6 +4,7 @@ GEMM."""
 from __future__ import annotations
 
 import copy
+import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -288,10 +289,15 @@ class Chooses:
     def __init__(self, choice: str) -> None:
         self.choice = choice
         self.offered: list[set[str]] = []
+        self.asked: list[tuple[str, bool]] = []  # (what, cold) per choice
+
+    def recorded(self, what: str, names: object) -> None:
+        return None
 
     def fastest(self, what: str, candidates: dict[str, Callable[[], Any]], repeats: int = 3,
-                state: object = ()) -> tuple[str, dict[str, float]]:
+                state: object = (), cold: bool = False) -> tuple[str, dict[str, float]]:
         self.offered.append(set(candidates))
+        self.asked.append((what, cold))
         with torch.no_grad():
             outputs = {name: run() for name, run in candidates.items()}
         for name, out in outputs.items():
@@ -365,3 +371,30 @@ def test_an_unknown_kernel_is_refused() -> None:
         _rewrite(Before(), torch.randn(2, 5, 16), options={"kernel": "cublas"})
     with pytest.raises(ValueError, match="no kernel"):
         PackedLinear(torch.randn(4, 4), 2, "cublas")
+
+
+@pytest.mark.parametrize("cache_bytes, cold", [(2**40, False), (1024, True)])
+def test_weights_larger_than_the_last_level_cache_are_measured_from_memory(
+        monkeypatch: pytest.MonkeyPatch, cache_bytes: int, cold: bool) -> None:
+    """A decoder step reads every weight once: where the linears' weights outgrow the
+    last-level cache, each kernel is timed with its weight out of cache, and that choice is
+    remembered apart from the in-cache one."""
+    module = importlib.import_module("autoopt.passes.packed_linear")
+    monkeypatch.setattr(module, "cpu_cache_bytes", lambda last_level=False: cache_bytes)
+    cost = Chooses("onednn_packed" if "onednn" in kernels(CPU) else "aten")
+    _rewrite(Before(), torch.randn(2, 5, 16), cost=cost)
+    assert [c for _, c in cost.asked] == [cold, cold]
+    assert all(what.endswith("|cold") == cold for what, _ in cost.asked)
+
+
+def test_a_cold_choice_evicts_the_last_level_cache_before_each_timed_run(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    cost = CostModel("cpu", cache=CostCache.in_memory())
+    evictions: list[bool] = []
+    monkeypatch.setattr(cost, "evict_cache", lambda last_level=False: evictions.append(last_level))
+    x = torch.randn(4, 8)
+    for cold in (False, True):
+        evictions.clear()
+        cost.fastest(f"mm|cold={cold}", {"a": lambda: x @ x.t(), "b": lambda: x.mm(x.t())},
+                     repeats=3, cold=cold)
+        assert evictions == [cold] * 6  # two candidates, three rounds
