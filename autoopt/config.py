@@ -51,6 +51,11 @@ class OptimizeConfig:
             those the ``AUTOOPT_BACKENDS`` environment variable lists (comma-separated).
         backend_options: per-backend settings; today ``{"inductor": {"mode":
             "max-autotune", "options": {...}}}`` (torch.compile's mode, Inductor's config).
+        optimize_memory: the memory optimize itself may add while it captures an input
+            signature, beyond what the process holds when it starts (bytes, a fraction of the
+            memory free then in (0, 1], or a string like ``"4GiB"``); None: what is free. A
+            step that would need more (a packed or merged copy of weights, a backend
+            candidate) is left out or done one at a time, and the report says so.
     """
 
     disable: tuple[str, ...] = ()
@@ -77,6 +82,7 @@ class OptimizeConfig:
     backend: str | None = None
     backends: tuple[str, ...] | None = None
     backend_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    optimize_memory: int | float | str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "disable", tuple(self.disable))
@@ -109,6 +115,8 @@ class OptimizeConfig:
             parse_budget(self.memory_budget)
         if self.memory_modes is not None:
             object.__setattr__(self, "memory_modes", parse_modes(self.memory_modes))
+        if self.optimize_memory is not None:
+            parse_budget(self.optimize_memory, "optimize_memory", "the memory free")
         _check_devices(self)
         if self.report is not None and not isinstance(self.report, str):
             if not hasattr(self.report, "__fspath__"):
@@ -145,6 +153,14 @@ class OptimizeConfig:
             options.setdefault("precision", {}).update(precision=self.precision,
                                                        tolerance=self.precision_tolerance)
         return options
+
+    @property
+    def optimize_memory_limit(self) -> int | float | None:
+        """``optimize_memory`` in bytes, or as the fraction of free memory; None: no limit
+        beyond what is free."""
+        if self.optimize_memory is None:
+            return None
+        return parse_budget(self.optimize_memory, "optimize_memory", "the memory free")
 
     @property
     def candidate_backends(self) -> tuple[str, ...]:

@@ -33,14 +33,16 @@ _UNKNOWN_LINK = 10e9  # bytes/s where the link was not measured (PCIe gen4 x16, 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
-def parse_budget(value: Any) -> int | float:
+def parse_budget(value: Any, name: str = "memory_budget",
+                 fraction_of: str = "device memory") -> int | float:
     """Check a ``memory_budget``: bytes (int), a fraction of device memory in (0, 1] (float),
     or a size string (``"8GiB"``, ``"512MiB"``, ``"1.5GB"``); returns bytes or the fraction.
+    ``name`` and ``fraction_of`` say which option it is in the error (``optimize_memory``).
 
     Raises:
         ConfigError: anything else, zero or negative.
     """
-    hint = ("memory_budget is bytes (an int), a fraction of device memory in (0, 1] (a float) "
+    hint = (f"{name} is bytes (an int), a fraction of {fraction_of} in (0, 1] (a float) "
             "or a size string like '8GiB' or '512MiB'")
     if isinstance(value, bool):
         raise ConfigError(f"{hint}; got {value!r}")

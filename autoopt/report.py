@@ -74,6 +74,8 @@ class CaptureRecord:
             CUDA graphs do not apply: CPU, training, symbolic shapes, ``cuda_graphs=False``).
         runs: what runs the calls when it is not the optimized graph, and why.
         backends: the backend chosen for each graph (one, or one per Dynamo subgraph).
+        memory: each step left out or done one piece at a time because it would exceed
+            ``optimize_memory`` or the free memory, with the bytes it needed.
     """
 
     inputs: str
@@ -90,6 +92,7 @@ class CaptureRecord:
     cuda_graph: str = ""
     runs: str = ""
     backends: list[BackendChoice] = field(default_factory=list)
+    memory: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -155,5 +158,6 @@ class Report:
             if c.runs:
                 lines.append(f"    runs: {c.runs}")
             lines.extend(f"    {choice.describe()}" for choice in c.backends)
+            lines.extend(f"    not done for memory: {note}" for note in c.memory)
         lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)

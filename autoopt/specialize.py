@@ -128,10 +128,20 @@ class Capturer:
 
     def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Compiled:
         """Try each capture method in ``config.capture`` order on these inputs; the first
-        whose graph verifies wins, else the model runs eagerly. Records it in ``report``."""
-        start = time.perf_counter()
+        whose graph verifies wins, else the model runs eagerly. Records it in ``report``,
+        with the steps ``optimize_memory`` (or free memory) left out."""
         record = CaptureRecord(inputs=signature_of(args, kwargs, self.module).describe())
         self.report.captures.append(record)
+        with memory_profile.allowing(self._config.optimize_memory_limit,
+                                     model_device(self.module) or torch.device("cpu")) as room:
+            try:
+                return self._capture(args, kwargs, record)
+            finally:
+                record.memory = list(room.notes)
+
+    def _capture(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 record: CaptureRecord) -> Compiled:
+        start = time.perf_counter()
         with memory_profile.stage("eager probe"):
             obstacles = self._probe(args, kwargs)
         spec = None

@@ -2,7 +2,7 @@
 
     python bench/scale.py [--sizes 50M,100M,200M,500M] [--threads 2] [--all-backends]
                           [--compile] [--onnx] [--peer-sizes 50M,100M] [--stages 200M]
-                          [--note TEXT] [--write] [--out table.md]
+                          [--optimize-memory 1GiB] [--note TEXT] [--write] [--out table.md]
 
 Models: ``transformers`` ``LlamaForCausalLM`` from a config (random weights, fp32,
 ``use_cache=False``, vocabulary 32000, head size 64, untied embeddings), batch 1 × 128 tokens.
@@ -30,7 +30,8 @@ module keeps beyond the user's model), optimize time and time per layer. ``--sta
 peak) for that size. All processes of one run share one fresh autoopt cache
 (``XDG_CACHE_HOME``), whose device ceilings are measured before the first row: each model's
 kernel choices are measured in its own row, and a decoder's repeated layers share them.
-``--write`` updates docs/benchmarks.md.
+``--optimize-memory`` passes ``optimize_memory=`` to ``optimize``; what it left out is listed
+under the table. ``--write`` updates docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def _logits(out: Any) -> Any:
     return out.logits if hasattr(out, "logits") else out[0]
 
 
-def child(size: str, runner: str, threads: int, stages: bool) -> dict[str, Any]:
+def child(size: str, runner: str, threads: int, stages: bool,
+          optimize_memory: str | None = None) -> dict[str, Any]:
     """Prepare ``runner`` on the ``size`` model in this process and measure it."""
     import torch
 
@@ -130,12 +132,15 @@ def child(size: str, runner: str, threads: int, stages: bool) -> dict[str, Any]:
     profile: list[Any] = []
     if runner == "autoopt":
         with memory_profile.recording() as profile, memory_profile.stage("optimize"):
-            prepared = autoopt.optimize(model, (ids,))
+            prepared = autoopt.optimize(model, (ids,), optimize_memory=optimize_memory)
         seconds = time.perf_counter() - start
         peak = profile[0].peak if profile[0].peak is not None else _peak()
         run = prepared
         result["backends"] = sorted({c.chosen for c in prepared.report.backends}) or ["eager"]
         result["rolled_back"] = prepared.report.rolled_back
+        result["left_out"] = [note for c in prepared.report.captures for note in c.memory] + [
+            f"the {name} backend: {why}" for choice in prepared.report.backends
+            for name, why in choice.skipped.items() if "for memory" in why]
     elif runner == "torch.compile":
         compiled = torch.compile(model)
         with torch.no_grad():
@@ -175,7 +180,8 @@ def _run_child(size: str, runner: str, args: argparse.Namespace, env: dict[str, 
                ) -> dict[str, Any]:
     command = [sys.executable, __file__, "--child", size, "--runner", runner,
                "--threads", str(args.threads)] + (["--stages", size] if size in args.stages
-                                                  and runner == "autoopt" else [])
+                                                  and runner == "autoopt" else []) \
+        + (["--optimize-memory", args.optimize_memory] if args.optimize_memory else [])
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     for line in done.stdout.splitlines():
         if line.startswith(CHILD_MARK):
@@ -255,6 +261,9 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, command: str,
                       f"{max(per_layer):.2f} (largest over smallest "
                       f"{max(per_layer) / min(per_layer):.2f}×)."]
     for r in rows:
+        for note in r.get("left_out", []):
+            lines += ["", f"{r['size']}: left out for memory: {note}"]
+    for r in rows:
         if r.get("stages"):
             lines += ["", f"Memory by stage of `autoopt.optimize`, {r['size']} model "
                           f"(`autoopt.memory_profile`; resident GiB; growth = the stage's peak "
@@ -292,6 +301,8 @@ def main() -> int:
                         help="sizes to run torch.compile/ONNX Runtime on (default: all)")
     parser.add_argument("--stages", default="",
                         help="sizes whose per-stage memory profile is printed, e.g. 200M")
+    parser.add_argument("--optimize-memory", default=None,
+                        help="optimize_memory= for autoopt, e.g. 1GiB (default: what is free)")
     parser.add_argument("--note", default="", help="a sentence for the table's notes")
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     parser.add_argument("--out", type=Path, help="also write the table to this file")
@@ -300,7 +311,8 @@ def main() -> int:
     args = parser.parse_args()
     args.stages = [s for s in args.stages.split(",") if s]
     if args.child:
-        result = child(args.child, args.runner, args.threads, args.child in args.stages)
+        result = child(args.child, args.runner, args.threads, args.child in args.stages,
+                       args.optimize_memory)
         print(CHILD_MARK + json.dumps(result), flush=True)
         return 0
     sizes = [s for s in args.sizes.split(",") if s]

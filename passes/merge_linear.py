@@ -7,7 +7,9 @@
 One GEMM with N = ΣNᵢ reads ``x`` once and keeps the matrix unit busier than several narrow
 ones: it pays for small token counts (batch 1) and can cost at large ones, so the cost model
 measures both forms for each group's shapes and keeps the faster. The outputs are views into
-the wide result, as ``torch.split`` gives.
+the wide result, as ``torch.split`` gives. A merged weight is a copy of the group's weights,
+held until the lowerings: a group whose copy would exceed the memory optimize may still add
+(``optimize_memory``, or what is free) stays separate, counted as ``kept_for_memory``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
+
+from autoopt import memory_profile
 
 from . import ops
 from .base import PassContext, PassResult
@@ -57,6 +61,11 @@ def merge_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
         linears = [node for node, _, _ in group]
         weights = [w for _, w, _ in group]
         biases = [b for _, _, b in group]
+        # The stacked copy, made to be measured and then kept where it pays.
+        need = sum(t.numel() * t.element_size() for t in [*weights, *biases] if t is not None)
+        if memory_profile.allowance().shortfall(need, "merge_linear's merged weights"):
+            counts["kept_for_memory"] = counts.get("kept_for_memory", 0) + 1
+            continue
         if measure and not _pays(ctx, meta_val(x), weights, biases):
             counts["kept_separate"] += 1
             continue

@@ -41,6 +41,11 @@ The price is memory: the packed copy is about the weight's size, held next to th
 how many linears each kernel got as ``mkl`` and ``onednn`` (``linear`` counts both,
 ``linear_kept_aten`` those measured fastest left on ATen).
 
+Each packed copy (and, while a shape is first measured, one per candidate kernel) is checked
+against the memory optimize may still add (``optimize_memory``, or what is free:
+``autoopt.memory_profile.allowance``); a linear whose copies would not fit stays on ATen,
+counted as ``kept_for_memory``.
+
 fp32 only, on a CPU build with MKL or oneDNN, not in training (the packed copy is a constant
 that gradients would not reach). It is a lowering: exports take the graph from before it
 (``autoopt.passes.LOWERING``).
@@ -59,6 +64,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule, Node
 
+from autoopt import memory_profile
 from autoopt.cost_model.device import cpu_cache_bytes
 from autoopt.cost_model.isolation import is_read_only
 
@@ -199,6 +205,11 @@ def packed_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
         linear = _eligible(gm, node, cold)
         if linear is None:
             continue
+        need = _copies(ctx, linear, candidates, measure) * (
+            linear.weight.numel() * linear.weight.element_size())
+        if memory_profile.allowance().shortfall(need, "packed_linear's packed weights"):
+            counts["kept_for_memory"] = counts.get("kept_for_memory", 0) + 1
+            continue
         if measure:
             kernel = _choose(gm, ctx, linear, candidates)
             if kernel is None:
@@ -276,6 +287,27 @@ def _constant_weight(gm: GraphModule, node: Any) -> tuple[torch.Tensor | None, b
     return None, False
 
 
+def _what(linear: _Linear, bias: bool) -> str:
+    """The cost model's name for this linear's kernel choice."""
+    rows = tuple(meta_val(linear.input).shape)
+    return (f"linear|{rows}|{tuple(linear.weight.shape)}|{torch.float32}|bias={bias}"
+            + ("|cold" if linear.cold else ""))
+
+
+def _copies(ctx: PassContext, linear: _Linear, candidates: tuple[str, ...],
+            measure: bool) -> int:
+    """How many copies of the weight packing this linear holds at once: one per candidate
+    kernel while a shape is measured, one where its choice is cached (none where that is
+    ATen) or not measured."""
+    if not measure:
+        return 1
+    names = [f"{k}_packed" for k in candidates] + ["aten"]
+    stored = ctx.cost.recorded(_what(linear, linear.bias is not None), names)
+    if stored:
+        return int(min(stored, key=stored.__getitem__) != "aten")
+    return len(candidates)
+
+
 def _weights_outgrow_cache(gm: GraphModule) -> bool:
     """Whether the linears' weights together are larger than the last-level cache: then each
     call reads its weight from memory, not from cache (a decoder's step reads every weight
@@ -301,8 +333,7 @@ def _choose(gm: GraphModule, ctx: PassContext, linear: _Linear,
     value = meta_val(linear.input)
     x = torch.randn(value.shape, dtype=value.dtype)
     bias = attr(gm, linear.bias) if linear.bias is not None else None
-    what = (f"linear|{tuple(x.shape)}|{tuple(linear.weight.shape)}|{x.dtype}|"
-            f"bias={bias is not None}" + ("|cold" if linear.cold else ""))
+    what = _what(linear, bias is not None)
     # Packed copies are made as a candidate is first run: where this shape's choice is cached
     # (a decoder's repeated layers) only the winner is packed, and the losers' copies are
     # dropped on return.

@@ -281,3 +281,127 @@ def test_a_module_run_by_another_backend_keeps_no_packed_copies() -> None:
                 if isinstance(n.target, packed_linear_module.PackedLinear)]
     with torch.no_grad():
         torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+# --- optimize_memory: steps that would not fit are left out, never an out-of-memory crash ---
+
+
+class Wide(nn.Module):
+    """Linears big enough that their packed and merged copies need a few MiB."""
+
+    def __init__(self, d: int = 512) -> None:
+        super().__init__()
+        self.attention = Attention(d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.attention(x)))
+
+
+def _options() -> dict[str, object]:
+    # Every linear packed, every group merged, without measuring: the steps need memory
+    # whatever this machine's cached choices are.
+    return {"pass_options": {"merge_linear": {"measure": False},
+                             "packed_linear": {"measure": False}}}
+
+
+@pytest.mark.parametrize("value", ["lots", "-1GiB", 0, -5, 1.5, True, [1]])
+def test_an_invalid_optimize_memory_is_a_config_error(value: object) -> None:
+    with pytest.raises(autoopt.ConfigError, match="optimize_memory is bytes"):
+        autoopt.optimize(Attention().eval(), (torch.randn(1, 8, 64),), optimize_memory=value)
+
+
+def test_a_limit_smaller_than_a_step_needs_is_reported_not_a_crash() -> None:
+    if not packed_linear_module.kernels(torch.device("cpu")):
+        pytest.skip("needs a packed linear kernel in this build")
+    model, x = Wide().eval(), torch.randn(1, 16, 512)
+    fast = autoopt.optimize(model, (x,), optimize_memory="1KiB", **_options())
+    counts = fast.report.pass_counts
+    assert "merged_groups" not in counts and "linear" not in counts  # nothing copied
+    notes = fast.report.captures[0].memory
+    assert any(n.startswith("merge_linear's merged weights: needs about 3 MiB") for n in notes)
+    assert any("optimize_memory=1024 B leaves 0 B" in n for n in notes)
+    assert "not done for memory: packed_linear's packed weights" in str(fast.report)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_steps_that_do_not_fit_in_free_memory_are_left_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a limit, the bound is the memory the OS says is free."""
+    monkeypatch.setattr(memory_profile, "free_bytes", lambda device="cpu": 0)
+    model, x = Wide().eval(), torch.randn(1, 16, 512)
+    fast = autoopt.optimize(model, (x,), **_options())
+    assert fast.report.pass_counts.get("merged_groups", 0) == 0
+    assert any("is free on the cpu" in n for n in fast.report.captures[0].memory)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_limit_that_fits_changes_nothing() -> None:
+    model, x = Wide().eval(), torch.randn(1, 16, 512)
+    free = autoopt.optimize(model, (x,), **_options())
+    bounded = autoopt.optimize(model, (x,), optimize_memory="16GiB", **_options())
+    fraction = autoopt.optimize(model, (x,), optimize_memory=0.5, **_options())
+    assert free.report.pass_counts.get("merged_groups") == 1
+    for fast in (bounded, fraction):
+        assert fast.report.pass_counts == free.report.pass_counts
+        assert fast.report.captures[0].memory == []
+        assert "not done for memory" not in str(fast.report)
+
+
+def test_a_backend_candidate_that_does_not_fit_is_not_built() -> None:
+    """Inductor's and ONNX Runtime's copies of the weights are estimated before building:
+    too big for the limit, they are skipped with the reason (no compile is started)."""
+    model, x = Wide().eval(), torch.randn(1, 16, 512)
+    fast = autoopt.optimize(model, (x,), backends=("aten", "inductor", "onnxruntime"),
+                            optimize_memory="1KiB", **_options())
+    choice = fast.report.backends[0]
+    assert choice.chosen == "aten"
+    assert choice.skipped["inductor"].startswith("not built for memory: it needs about")
+    if "onnxruntime" in choice.skipped and "not installed" not in choice.skipped["onnxruntime"]:
+        assert choice.skipped["onnxruntime"].startswith("not built for memory")
+    assert "not inductor: not built for memory" in str(fast.report)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_backend_candidates_are_built_one_at_a_time(tmp_path: Path) -> None:
+    """Each candidate is timed against the fastest so far and the slower one dropped before
+    the next is built: never more than two alive (+2 GiB on a 194 M decoder when Inductor's
+    and ONNX Runtime's copies of the weights were alive together)."""
+    from autoopt.backends.choice import Lowering, choose_backend
+
+    alive: list[int] = []
+    most = [0]
+
+    class Candidate:
+        def __init__(self, delay: float) -> None:
+            self.delay = delay
+            alive.append(id(self))
+            most[0] = max(most[0], len(alive))
+
+        def __call__(self) -> None:
+            import time
+            time.sleep(self.delay)
+
+        def __del__(self) -> None:
+            alive.remove(id(self))
+
+    delays = {"aten": 0.02, "b": 0.01, "c": 0.015, "d": 0.002}
+    lowerings = [Lowering(n, lambda d=d: Candidate(d), verified=True) for n, d in delays.items()]
+    cost = CostModel("cpu", cache=CostCache(tmp_path / "costs.json"))
+    run, choice = choose_backend("whole graph", lowerings, {}, verify=None,
+                                 timer=lambda r: r, cost_model=cost, what="test",
+                                 required=False, gradients=False)
+    assert choice.chosen == "d" and run.delay == 0.002
+    assert most[0] == 2
+    assert set(choice.seconds) == set(delays)
+    del run
+    assert alive == []
+    # The next optimize of the same graph reads the choice and builds the winner alone.
+    most[0] = 0
+    again, cached = choose_backend("whole graph", lowerings, {}, verify=None,
+                                   timer=lambda r: r, cost_model=cost, what="test",
+                                   required=False, gradients=False)
+    assert cached.cached and cached.chosen == "d" and most[0] == 1

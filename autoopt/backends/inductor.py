@@ -73,6 +73,16 @@ def lower(gm: GraphModule, *, dynamic: bool, gradients: bool,
                                        dynamic=dynamic, options=options))
 
 
+def memory_estimate(gm: GraphModule, gradients: bool) -> int:
+    """Bytes that compiling ``gm`` may add: with ``freezing`` (inference) Inductor holds the
+    weights as constants of its generated code and packs each linear's and convolution's
+    weight for oneDNN (measured, a 194 M-parameter decoder on a CPU: about 1.5× the weights
+    while compiling); a graph with gradients reads the parameters as they are."""
+    from ..export.onnx_writer import weight_bytes
+
+    return 0 if gradients else weight_bytes(gm) * 3 // 2
+
+
 def config_of(settings: dict[str, Any] | None, dynamic: bool | None = None) -> dict[str, Any]:
     """Inductor config for the user's ``backend_options["inductor"]``: the settings its
     ``mode`` stands for, then its ``options``, which win (torch.compile takes a mode or

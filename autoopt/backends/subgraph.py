@@ -45,7 +45,8 @@ def lower_subgraph(optimized: GraphModule, example_inputs: Sequence[Any], inputs
                 skipped[name] = why
             else:
                 lowerings.append(Lowering(name, lambda: _inductor(
-                    optimized, example_inputs, dict(config.backend_options.get("inductor", {})))))
+                    optimized, example_inputs, dict(config.backend_options.get("inductor", {}))),
+                    memory=inductor.memory_estimate(portable(optimized), gradients)))
         else:
             skipped[name] = ("a Dynamo subgraph is one piece of a forward whose Python runs "
                              "in between; it is lowered by aten or inductor")

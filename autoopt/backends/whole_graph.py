@@ -78,7 +78,8 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
             else:
                 lowerings.append(Lowering(name, lambda: warm(call(inductor.lower(
                     source, dynamic=dynamic, gradients=gradients,
-                    settings=dict(config.backend_options.get("inductor", {})))))))
+                    settings=dict(config.backend_options.get("inductor", {}))))),
+                    memory=inductor.memory_estimate(source, gradients)))
         elif name == "onnxruntime":
             why = ort.available() or (
                 "inference only (ONNX Runtime computes no gradients)" if gradients else
@@ -92,7 +93,7 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
                 skipped[name] = why
             else:
                 lowerings.append(Lowering(name, lambda: warm(_onnxruntime(
-                    source, module, args, kwargs, device))))
+                    source, module, args, kwargs, device)), memory=ort.memory_estimate(source)))
 
     def timer(run: Callable[..., Any]) -> Callable[[], Any]:
         a, k = clone_inputs(args, kwargs)
