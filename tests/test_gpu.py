@@ -73,3 +73,39 @@ def test_cuda_inference_shares_weights_and_a_replay_sees_loaded_ones() -> None:
         torch.testing.assert_close(fast(x), other(x), rtol=1e-3, atol=1e-3)
     # Yours was not written: fast took its own memory before the load.
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.gpu
+def test_a_cuda_graph_copies_what_it_writes_into_its_inputs_back() -> None:
+    """The replay writes into the recorded input buffers; a function that writes its inputs
+    in place (a static KV cache) must leave the caller's tensors written, call after call."""
+    from autoopt.runtime import cuda_graphs
+
+    def step(cache: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        cache.add_(x)
+        return cache * 2
+
+    cache, x = torch.zeros(4, device="cuda"), torch.ones(4, device="cuda")
+    with torch.no_grad():
+        runner, why = cuda_graphs.record(step, (cache.clone(), x), {})
+        assert not why, why
+        for calls in (1, 2, 3):
+            out = runner(cache, x)
+            torch.testing.assert_close(cache, torch.full((4,), float(calls), device="cuda"))
+            torch.testing.assert_close(out, 2 * cache)
+
+
+@pytest.mark.gpu
+def test_decode_steps_replay_a_cuda_graph_with_eager_s_tokens() -> None:
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4,
+                                     n_positions=64, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).cuda().eval()
+    ids = torch.randint(1, 128, (2, 6), device="cuda")
+    fast = autoopt.optimize(model, (ids,))
+    options = dict(max_new_tokens=8, do_sample=False)
+    for _ in range(2):  # the second call's prompt step runs through a graph too
+        assert torch.equal(fast.generate(ids, **options), model.generate(ids, **options))
+    decode = fast._generator.reports[0].captures[0]
+    assert decode.cuda_graph == "recorded", fast._generator.reports[0]

@@ -4,7 +4,9 @@ A model made of many small kernels spends its time launching them (the GPU idles
 launches while Python and the driver queue the next one). ``torch.cuda.CUDAGraph`` records
 every launch once and replays them all with one call. The recording fixes the memory it reads
 and writes, so each call copies its inputs into the recorded input buffers and returns copies
-of the recorded outputs (the next replay overwrites them).
+of the recorded outputs (the next replay overwrites them). What the function writes into its
+inputs (a decode step's static KV cache, written at the step's position) is written into the
+recorded buffers, so it is copied back into the caller's tensors after each replay.
 
 Only for inference calls with static shapes on one CUDA device: autoopt's signature guard
 sends any other shape, dtype or device to a new capture, and a graph that cannot be recorded
@@ -49,12 +51,16 @@ class CudaGraphRunner:
         self._is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
         self._static = [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]
         static_args, static_kwargs = pytree.tree_unflatten(self._static, self._spec)
+        versions = [x._version if isinstance(x, torch.Tensor) else None for x in self._static]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.no_grad(), torch.cuda.stream(side):
             for _ in range(_WARMUP):
                 fn(*static_args, **static_kwargs)
         torch.cuda.current_stream(self.device).wait_stream(side)
+        # The inputs the function writes in place: their buffers' version counters moved.
+        self._written = [i for i, (x, v) in enumerate(zip(self._static, versions, strict=True))
+                         if isinstance(x, torch.Tensor) and x._version != v]
         self._graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(self._graph):
             self._outputs = fn(*static_args, **static_kwargs)
@@ -68,6 +74,8 @@ class CudaGraphRunner:
             if is_tensor:
                 buffer.copy_(value, non_blocking=True)
         self._graph.replay()
+        for i in self._written:
+            leaves[i].copy_(self._static[i], non_blocking=True)
         return pytree.tree_map_only(torch.Tensor, torch.Tensor.clone, self._outputs)
 
 
