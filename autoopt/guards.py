@@ -12,6 +12,7 @@ any order.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,8 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 log = logging.getLogger(__name__)
+
+_TRAINING = operator.attrgetter("training")  # read in C for every submodule on every call
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ def current_modes(module: nn.Module, submodules: list[nn.Module] | None = None,
         wants_grad = tuple(p.requires_grad for p in params)
     else:
         wants_grad = ()
-    return (grad, wants_grad, _autocast(), *(m.training for m in modules))
+    return (grad, wants_grad, _autocast(), *map(_TRAINING, modules))
 
 
 def _autocast() -> tuple[tuple[str, torch.dtype], ...]:

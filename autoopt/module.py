@@ -147,7 +147,9 @@ class OptimizedModule(nn.Module):
                                   "graph replays the value it traced): its graphs are "
                                   "captured again on their next call")
                 self._watch.refresh_attributes()  # the values the next capture traces
-            if any(s.stamp is not None for s in specs):
+            # Versions, addresses and samples as at the last fingerprint, which every graph
+            # matched: nothing stale (the common call, one C loop per signal).
+            if any(s.stamp is not None for s in specs) and not self._watch.unchanged():
                 self._drop_stale_graphs()
         spec = self._find(args, kwargs)
         if spec is None:
@@ -186,6 +188,11 @@ class OptimizedModule(nn.Module):
             for t in spec.watched or ():
                 seen.setdefault(id(t), t)
         self._watch.take_fingerprint(list(seen.values()))
+        # A graph may be stale already (``specialize`` called directly, after a write): then
+        # an unchanged fingerprint says nothing, and each call takes the full check.
+        self._watch.fingerprint_clean(all(
+            s.stamp == self._watch.stamp(s.watched) for s in self._specializations
+            if s.stamp is not None))
 
     def _drop_stale_graphs(self) -> None:
         rewritten = self._watch.rewritten()
@@ -198,8 +205,10 @@ class OptimizedModule(nn.Module):
                               "(training, load_state_dict, in-place or .data edits): graphs "
                               "whose folded or packed constants came from the old values are "
                               "captured again on their next call")
-            with self._lock:
-                self._take_fingerprint()
+        # The graphs left hold for the tensors as they are now (a write to a tensor no graph
+        # copied, such as a frozen weight's version bump that a stale graph alone watched).
+        with self._lock:
+            self._take_fingerprint()
 
     def _unshare(self) -> None:
         """Give the private module its own copy of the weights it shares with the user's

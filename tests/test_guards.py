@@ -387,3 +387,17 @@ def test_a_forward_that_writes_its_buffers_never_writes_the_users_model() -> Non
             torch.testing.assert_close(fast(x), reference(x))
     assert model.calls.item() == 0 and fast.module.calls.item() == 3
     assert torch.equal(model.linear.weight, reference.linear.weight)
+
+
+@torch.no_grad()
+def test_a_graph_stale_before_another_capture_is_not_replayed() -> None:
+    """The per-call check compares the tensors with the fingerprint taken after the last
+    capture; a graph already stale then (weights written, then a new shape captured through
+    ``specialization_for``, which runs no per-call check) must still be dropped."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4)).eval()
+    x = torch.randn(4, 8)
+    fast = autoopt.optimize(model, (x,), pass_options=ALWAYS_LOWER)
+    fast(x)
+    fast.module[0].weight.mul_(0.5)  # in place: the first graph's folded copy is old
+    fast.specialization_for((torch.randn(2, 8),))
+    torch.testing.assert_close(fast(x), copy.deepcopy(fast.module)(x))
