@@ -96,14 +96,16 @@ class _Stepper:
         self.__signature__ = inspect.signature(eager_forward)
         self._last: tuple[Any, ...] | None = None
 
-    def _flat(self, cache: Any) -> tuple[list[Any], pytree.TreeSpec]:
-        """The cache's tensors and structure, taken apart once per cache object (a static
-        cache keeps its tensors from step to step; ~0.6 ms a step otherwise)."""
+    def _flat(self, cache: Any) -> tuple[list[Any], pytree.TreeSpec, str]:
+        """The cache's tensors, structure and the structure's text (part of a step graph's
+        key), taken apart once per cache object (a static cache keeps its tensors from step
+        to step; ~0.6 ms a step otherwise, and 0.1 ms to write the structure out)."""
         keys = [layer.keys for c in _caches(cache) for layer in c.layers]
         if self._last is None or self._last[0] is not cache or any(
                 a is not b for a, b in zip(self._last[1], keys, strict=True)):
-            self._last = (cache, keys, *objects.flatten(cache))
-        return self._last[2], self._last[3]
+            tensors, spec = objects.flatten(cache)
+            self._last = (cache, keys, tensors, spec, str(spec))
+        return self._last[2], self._last[3], self._last[4]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from transformers.cache_utils import Cache
@@ -121,13 +123,13 @@ class _Stepper:
             out = self._eager(*args, **kwargs)
             self._optimized.remember_layout(cache)
             return out
-        tensors, spec = self._flat(cache)
+        tensors, spec, spec_key = self._flat(cache)
         if not all(isinstance(t, torch.Tensor) for t in tensors):
             self._stats.eager_steps += 1
             return self._eager(*args, **kwargs)
         inputs = {k: v for k, v in kwargs.items() if k != name and v is not None}
         inputs.setdefault("return_dict", True)
-        step = self._optimized.step_for(spec, name, tensors, inputs)
+        step = self._optimized.step_for(spec, name, tensors, inputs, spec_key)
         logits = step(tensors, **inputs)
         self._stats.graph_steps += 1
         return _Output(logits=logits, cache=cache, past_key_values=cache)
@@ -238,12 +240,13 @@ class Generator:
                 torch.empty((values[0], values[1], 0, values[3]), dtype=dtype, device=device))
 
     def step_for(self, spec: pytree.TreeSpec, name: str, tensors: list[torch.Tensor],
-                 inputs: Mapping[str, Any]) -> Any:
+                 inputs: Mapping[str, Any], spec_key: str | None = None) -> Any:
         # Decode steps (one token) share one static graph; prompt steps one graph whose
         # sequence length is symbolic, so prompts of any length add no graph (and no copy
         # of the packed weights) each.
         prompt = _tokens(inputs) != 1
-        key = (prompt, str(spec), name, tuple((t.shape, t.dtype, t.device) for t in tensors))
+        key = (prompt, spec_key if spec_key is not None else str(spec), name,
+               tuple((t.shape, t.dtype, t.device) for t in tensors))
         step = self._steps.get(key)
         if step is None:
             started = time.perf_counter()
