@@ -322,6 +322,10 @@ class CostModel:
                         break
             seconds = {name: statistics.median(s) for name, s in samples.items()}
             self.cache.put(self._fastest_key(what, names), seconds)
+            if cold:
+                # Twice the last-level cache (64 MiB here): not held for the module's life by
+                # the cost model a re-capture keeps (issue 21: optimize's peak and held memory).
+                self._scratch = None
         best = min(candidates, key=lambda name: (seconds[name], list(candidates).index(name)))
         return best, seconds
 

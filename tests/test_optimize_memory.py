@@ -120,6 +120,27 @@ def test_chunked_comparison_finds_the_worst_element_anywhere() -> None:
     assert "NaN in different places" in compare(expected, nan).detail
 
 
+def test_the_float32_comparison_agrees_with_float64_at_the_tolerance_edge(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outputs clearly within the tolerance are compared in float32 (numpy, one thread: LM
+    logits took 7 s in float64 on a loaded machine); an element near the edge is judged in
+    float64, so both ways give the same verdicts."""
+    verify_module = importlib.import_module("autoopt.verify")
+    expected = torch.randn(2**21) * 10
+    scale = float(expected.abs().max())
+    for offset in (-1e-6, 1e-6, 0.0):
+        actual = expected.clone()
+        actual[12345] += 1e-5 * scale + 1e-4 * abs(float(expected[12345])) + offset * scale
+        fast = compare(expected, actual)
+        monkeypatch.setattr(verify_module, "_FAST_DTYPES", ())
+        exact = compare(expected, actual)
+        monkeypatch.undo()
+        assert fast.ok == exact.ok
+    near = expected + 1e-9 * expected.abs()
+    assert verify_module._clear_pass(expected, near, verify_module.TOLERANCES[torch.float32],
+                                     1.0) is not None
+
+
 @needs_peak
 def test_runs_do_not_copy_the_constants_passes_made() -> None:
     """Verification runs under ``preserved``, which copies every buffer to put it back: the
