@@ -10,6 +10,7 @@ come back as torch tensors in the model's output structure.
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,10 @@ from torch.utils import _pytree as pytree
 from ..capture import objects
 from ..export.onnx_io import flat_tensors, name_inputs, name_outputs
 from ..export.onnx_writer import weight_bytes, write_onnx
-from ..export.session import OnnxSession, onnx_session
+from ..export.session import OnnxSession, onnx_session, session_from_bytes
+from . import onnx_cache
+
+log = logging.getLogger(__name__)
 
 _PROTOBUF_LIMIT = 2 ** 31 - 2 ** 20  # one protobuf holds under 2 GB; weights beyond go aside
 
@@ -68,14 +72,36 @@ def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str
     """
     input_names = name_inputs(forward, args, kwargs)
     output_names = name_outputs(expected)
+    threads = torch.get_num_threads() if device.type == "cpu" else None
+    external = weight_bytes(gm) > _PROTOBUF_LIMIT
+    # The graph exported by an earlier optimize of this graph, given this run's weights.
+    entry = onnx_cache.key(gm, args, kwargs, input_names, output_names, device)
+    cached = onnx_cache.load(entry, gm) if device.type == "cpu" and not external else None
+    if cached is not None:
+        graph, initializers = cached
+        try:
+            session = session_from_bytes(graph, device, threads, initializers)
+        except Exception as exc:  # noqa: BLE001 - a damaged entry costs an export
+            log.info("onnxruntime: the cached graph %s does not open (%s); exporting again",
+                     entry, exc)
+        else:
+            log.info("onnxruntime: the exported graph from the cache (%s), this run's "
+                     "weights", entry)
+            return OrtGraph(session, input_names, expected)
     with tempfile.TemporaryDirectory(prefix="autoopt-ort-") as folder:
         path = Path(folder) / "graph.onnx"
         with objects.scoped_for(expected):  # a DynamicCache output (see capture.objects)
             write_onnx(gm, args, kwargs, path, input_names, output_names, None, (), None,
-                       weight_bytes(gm) > _PROTOBUF_LIMIT, "auto")
+                       external, "auto")
         # The session holds the weights in memory once created; the folder can go.
-        session = onnx_session(path, device, threads=torch.get_num_threads()
-                               if device.type == "cpu" else None)
+        session = onnx_session(path, device, threads=threads)
+        if device.type == "cpu" and not external:
+            try:
+                why = onnx_cache.store(entry, path, gm)
+            except Exception as exc:  # noqa: BLE001 - an unwritable cache costs a re-export
+                why = f"{type(exc).__name__}: {exc}"
+            if why:
+                log.info("onnxruntime: the exported graph is not cached: %s", why)
     return OrtGraph(session, input_names, expected)
 
 

@@ -48,8 +48,10 @@ class OnnxSession:
     tensors. On CUDA, inputs and outputs stay on the GPU through IO binding.
     """
 
-    def __init__(self, session: Any, device: torch.device, io_binding: bool) -> None:
+    def __init__(self, session: Any, device: torch.device, io_binding: bool,
+                 keep: Any = None) -> None:
         self.session = session
+        self._keep = keep  # what the session may read for as long as it lives
         self.device = device
         self.providers: list[str] = session.get_providers()
         self.input_names = [i.name for i in session.get_inputs()]
@@ -178,31 +180,8 @@ def onnx_session(path: str | Path, device: str | torch.device = "cpu",
     except (RuntimeError, TypeError) as exc:
         raise DeviceError(f"device={device!r} is not a device name; use 'cpu', 'cuda' or "
                           f"'cuda:N'.") from exc
-    available = ort.get_available_providers()
-    if target.type == "cuda":
-        installed = [p for p in _GPU_PROVIDERS if p in available]
-        if not installed:
-            raise DeviceError(f"device={device!r}, but this onnxruntime has no GPU execution "
-                              f"provider (available: {available}); install onnxruntime-gpu "
-                              f"(pip install 'autoopt[gpu]') or use device='cpu'.")
-        options = {"device_id": target.index or 0}
-        if torch.cuda.is_available():
-            # ORT then works on torch's stream, so bound inputs are ready without a sync.
-            stream = torch.cuda.current_stream(target.index or 0).cuda_stream
-            options["user_compute_stream"] = str(stream)
-        providers: list[Any] = [(p, dict(options)) for p in installed]
-        providers.append("CPUExecutionProvider")
-    elif target.type == "cpu":
-        providers = ["CPUExecutionProvider"]
-    else:
-        raise DeviceError(f"device={device!r}: ONNX sessions run on 'cpu' or 'cuda'.")
-    options_ = ort.SessionOptions()
-    options_.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    # Fatal only: ORT's errors come back as exceptions (reworded below), its warnings are
-    # about its own choices, and a library should not write to the user's stderr.
-    options_.log_severity_level = 4
-    if threads:
-        options_.intra_op_num_threads = threads
+    providers = _providers(ort, target, device)
+    options_ = _options(ort, threads)
     if optimized_model_path is not None:
         options_.optimized_model_filepath = str(optimized_model_path)
         if (path.parent / f"{path.name}.data").exists():
@@ -217,3 +196,53 @@ def onnx_session(path: str | Path, device: str | torch.device = "cpu",
                              f"{first_line(exc)}") from exc
     log.info("ONNX Runtime session for %s on %s", path, session.get_providers())
     return OnnxSession(session, target, io_binding=target.type == "cuda")
+
+
+def session_from_bytes(graph: bytes, device: torch.device, threads: int | None,
+                       initializers: Mapping[str, torch.Tensor]) -> OnnxSession:
+    """A session on a serialized graph whose external initializers are ``initializers``
+    (read from the tensors' memory while the session is made; ONNX Runtime keeps its own
+    copy, and the tensors are held with the session all the same, as its API asks)."""
+    ort = require("onnxruntime", "an ONNX Runtime session",
+                  "pip install onnxruntime (onnxruntime-gpu for CUDA)")
+    options = _options(ort, threads)
+    held = {name: t.detach().cpu().contiguous() for name, t in initializers.items()}
+    values = [ort.OrtValue.ortvalue_from_numpy(t.numpy()) for t in held.values()]
+    if held:
+        options.add_external_initializers(list(held), values)
+    session = ort.InferenceSession(graph, options, providers=_providers(ort, device, device))
+    return OnnxSession(session, device, io_binding=device.type == "cuda", keep=(held, values))
+
+
+def _providers(ort: Any, target: torch.device, device: Any) -> list[Any]:
+    """The execution providers for ``target``: TensorRT, CUDA, then CPU of those installed
+    on CUDA; the CPU provider on the CPU."""
+    available = ort.get_available_providers()
+    if target.type == "cuda":
+        installed = [p for p in _GPU_PROVIDERS if p in available]
+        if not installed:
+            raise DeviceError(f"device={device!r}, but this onnxruntime has no GPU execution "
+                              f"provider (available: {available}); install onnxruntime-gpu "
+                              f"(pip install 'autoopt[gpu]') or use device='cpu'.")
+        options = {"device_id": target.index or 0}
+        if torch.cuda.is_available():
+            # ORT then works on torch's stream, so bound inputs are ready without a sync.
+            stream = torch.cuda.current_stream(target.index or 0).cuda_stream
+            options["user_compute_stream"] = str(stream)
+        providers: list[Any] = [(p, dict(options)) for p in installed]
+        providers.append("CPUExecutionProvider")
+        return providers
+    if target.type == "cpu":
+        return ["CPUExecutionProvider"]
+    raise DeviceError(f"device={device!r}: ONNX sessions run on 'cpu' or 'cuda'.")
+
+
+def _options(ort: Any, threads: int | None) -> Any:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # Fatal only: ORT's errors come back as exceptions (reworded below), its warnings are
+    # about its own choices, and a library should not write to the user's stderr.
+    options.log_severity_level = 4
+    if threads:
+        options.intra_op_num_threads = threads
+    return options

@@ -1,0 +1,154 @@
+"""ONNX graphs kept on disk without their weights, so that the next ``optimize`` of the same
+model opens ONNX Runtime without exporting again (an export is 2-10 s; opening a session from
+the cached graph, a tenth of a second).
+
+An entry is the exported file with every weight initializer emptied (marked as external data
+with no file behind it) and the names of those initializers, each one a parameter, buffer or
+constant of the graph module by that name, checked bitwise equal to what the exporter wrote.
+A later lowering of the same graph (the same code, tensors' names, shapes and dtypes, inputs,
+library versions: ``key``) hands ONNX Runtime the graph module's current tensors for them
+(``SessionOptions.add_external_initializers``): the weights are always this run's, never the
+cached run's. Not cached: a graph where the exporter computed a weight of its own (a floating
+initializer that is none of the module's tensors, or one named after a tensor that holds other
+values, as when it folds a BatchNorm into a convolution), weights beyond one protobuf, devices
+other than the CPU. The session is verified against eager like any lowering, cached or not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+from torch.utils import _pytree as pytree
+
+from ..cost_model import default_cache_dir
+
+log = logging.getLogger(__name__)
+
+_FORMAT = 1
+# Dtypes whose tensors ONNX Runtime can take from numpy views of the module's memory.
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
+                 torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
+def folder() -> Path:
+    """Where entries live: ``onnx/`` beside the cost model's measurements."""
+    return default_cache_dir() / "onnx"
+
+
+def key(gm: GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
+        input_names: list[str], output_names: list[str], device: torch.device) -> str:
+    """What an exported graph depends on, besides the weights' values: the graph's code, its
+    tensors' names, shapes and dtypes, the inputs' (non-tensor inputs by value), the names
+    given to inputs and outputs, the device, and the exporter's and ONNX Runtime's versions."""
+    digest = hashlib.sha256()
+    digest.update(f"{_FORMAT}|{gm.code}|{input_names}|{output_names}|{device.type}".encode())
+    for name, t in sorted(tensors_of(gm).items()):
+        digest.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        digest.update((f"{tuple(leaf.shape)}:{leaf.dtype};" if isinstance(leaf, torch.Tensor)
+                       else f"{type(leaf).__name__}={leaf!r};").encode())
+    digest.update(_versions().encode())
+    return digest.hexdigest()[:40]
+
+
+def tensors_of(gm: GraphModule) -> dict[str, torch.Tensor]:
+    """The graph module's parameters, buffers and tensor constants, by the name the exporter
+    gives their initializers."""
+    found = dict(gm.state_dict(keep_vars=True))
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target not in found:
+            value: Any = gm
+            for part in str(node.target).split("."):
+                value = getattr(value, part, None)
+            if isinstance(value, torch.Tensor):
+                found[str(node.target)] = value
+    return found
+
+
+def load(entry: str, gm: GraphModule) -> tuple[bytes, dict[str, torch.Tensor]] | None:
+    """The cached graph for ``entry`` and the tensors of ``gm`` its emptied initializers take,
+    or None (no entry, or one these tensors do not fit)."""
+    base = folder() / entry
+    try:
+        names = json.loads(base.with_suffix(".json").read_text())["initializers"]
+        graph = base.with_suffix(".onnx").read_bytes()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    tensors = tensors_of(gm)
+    if not all(isinstance(names.get(n), list) and n in tensors for n in names):
+        return None
+    for name, (shape, dtype) in names.items():
+        t = tensors[name]
+        if list(t.shape) != shape or str(t.dtype) != dtype or t.dtype not in _NUMPY_DTYPES:
+            return None
+    return graph, {name: tensors[name] for name in names}
+
+
+def store(entry: str, path: Path, gm: GraphModule) -> str:
+    """Keep the file at ``path`` as ``entry``, its weights emptied; return why not, or ''."""
+    import numpy as np
+    import onnx
+    from onnx import external_data_helper, numpy_helper
+
+    proto = onnx.load(str(path))
+    tensors = tensors_of(gm)
+    small_weights = any(t.is_floating_point() and t.numel() <= 1 for t in tensors.values())
+    emptied: dict[str, tuple[list[int], str]] = {}
+    for init in proto.graph.initializer:
+        value = numpy_helper.to_array(init)
+        t = tensors.get(init.name)
+        if t is None:
+            # A constant of the exporter's: the graph's code names it (a shape, an axis,
+            # a literal), unless it was computed from a weight.
+            if np.issubdtype(value.dtype, np.floating) and (value.size > 1 or small_weights):
+                return f"the exporter computed initializer {init.name!r} from the weights"
+            continue
+        if (t.dtype not in _NUMPY_DTYPES or tuple(t.shape) != value.shape
+                or not np.array_equal(t.detach().cpu().numpy(), value)):
+            return f"initializer {init.name!r} differs from the module's tensor of that name"
+        emptied[init.name] = (list(t.shape), str(t.dtype))
+        size = len(init.raw_data) or value.nbytes
+        init.raw_data = b"\0"  # set_external_data asks for raw data, which it then drops
+        external_data_helper.set_external_data(init, location="autoopt-weights-not-stored",
+                                               offset=0, length=size)
+        for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data"):
+            init.ClearField(field)
+        init.data_location = onnx.TensorProto.EXTERNAL
+    target = folder()
+    target.mkdir(parents=True, exist_ok=True)
+    _write(target / f"{entry}.onnx", proto.SerializeToString())
+    # The names last: an entry is read only once its list exists.
+    _write(target / f"{entry}.json", json.dumps({"format": _FORMAT,
+                                                  "initializers": emptied}).encode())
+    return ""
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Whole or not at all: another process may read the entry meanwhile."""
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _versions() -> str:
+    found = []
+    for package in ("onnx", "onnxscript", "onnxruntime", "onnxruntime-gpu"):
+        try:
+            found.append(f"{package}={importlib.metadata.version(package)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return f"torch={torch.__version__}|{'|'.join(found)}"

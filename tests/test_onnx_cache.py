@@ -1,0 +1,119 @@
+"""The ONNX graph cache: a second lowering of the same graph opens ONNX Runtime on the graph
+exported before, with this run's weights, and is verified like any lowering.
+
+Each test optimizes with ``backend="onnxruntime"`` into the suite's private cache folder and
+counts the exports by wrapping the exporter.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import autoopt
+from autoopt.backends import onnx_cache
+from autoopt.backends import onnxruntime as ort
+
+pytestmark = [pytest.mark.filterwarnings("ignore"),
+              pytest.mark.skipif(bool(ort.available()), reason=ort.available() or "")]
+
+
+class Net(nn.Module):
+    """Conv, BatchNorm (folded by autoopt before export), ReLU, pooling: every initializer
+    the exporter writes is one of the graph's tensors."""
+
+    def __init__(self, channels: int = 6) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, channels, 3, padding=1)
+        self.bn = nn.BatchNorm2d(channels)
+        self.pool = nn.AdaptiveAvgPool2d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(torch.relu(self.bn(self.conv(x))))
+
+
+def net(seed: int, channels: int = 6) -> nn.Module:
+    torch.manual_seed(seed)
+    model = Net(channels).eval()
+    with torch.no_grad():  # statistics that are not the identity, so folding shows
+        model.bn.running_mean.uniform_(-1, 1)
+        model.bn.running_var.uniform_(0.5, 2)
+    return model
+
+
+@pytest.fixture
+def exports(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """The paths the ONNX Runtime backend exported to, in order."""
+    seen: list[Path] = []
+    write = ort.write_onnx
+
+    def counted(gm: Any, args: Any, kwargs: Any, path: Path, *rest: Any) -> Any:
+        seen.append(path)
+        return write(gm, args, kwargs, path, *rest)
+
+    monkeypatch.setattr(ort, "write_onnx", counted)
+    return seen
+
+
+def optimized(model: nn.Module, x: torch.Tensor) -> autoopt.OptimizedModule:
+    fast = autoopt.optimize(model, (x,), backend="onnxruntime")
+    assert fast.specializations[0].backend == "onnxruntime"
+    return fast
+
+
+@torch.no_grad()
+def test_the_same_graph_with_other_weights_is_not_exported_again(exports: list[Path]) -> None:
+    x = torch.randn(2, 3, 8, 8)
+    first = net(0)
+    torch.testing.assert_close(optimized(first, x)(x), first(x))
+    assert len(exports) == 1
+    entries = list(onnx_cache.folder().glob("*.onnx"))
+    assert entries and all(e.stat().st_size < 20_000 for e in entries)  # no weights kept
+    second = net(1)  # the same graph, other weights: the cached graph takes these
+    fast = optimized(second, x)
+    assert len(exports) == 1
+    torch.testing.assert_close(fast(x), second(x))
+    y = torch.randn(2, 3, 8, 8)
+    torch.testing.assert_close(fast(y), second(y))
+
+
+@torch.no_grad()
+def test_other_shapes_are_exported_anew(exports: list[Path]) -> None:
+    x = torch.randn(1, 3, 8, 8)
+    optimized(net(0, channels=5), x)
+    model = net(1, channels=7)  # other weight shapes: another key
+    torch.testing.assert_close(optimized(model, x)(x), model(x))
+    assert len(exports) == 2
+
+
+@torch.no_grad()
+def test_a_damaged_entry_is_exported_again(exports: list[Path]) -> None:
+    x = torch.randn(1, 3, 8, 8)
+    optimized(net(0, channels=4), x)
+    for entry in onnx_cache.folder().glob("*.onnx"):
+        entry.write_bytes(b"not an onnx graph")
+    model = net(1, channels=4)
+    torch.testing.assert_close(optimized(model, x)(x), model(x))
+    assert len(exports) == 2
+
+
+@torch.no_grad()
+def test_weights_the_exporter_computes_are_not_cached(exports: list[Path]) -> None:
+    """A linear on a batch of sequences is written as a MatMul with the weight transposed: no
+    tensor of the graph holds those values, so nothing is cached and the next optimize
+    exports again (with its own weights)."""
+    x = torch.randn(2, 3, 16)
+    models = [copy.deepcopy(nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4)))
+              .eval() for _ in range(2)]
+    for i, model in enumerate(models):
+        torch.manual_seed(i)
+        for p in model.parameters():
+            p.uniform_(-1, 1)
+        fast = autoopt.optimize(model, (x,), backend="onnxruntime")
+        torch.testing.assert_close(fast(x), model(x))
+    assert len(exports) == 2
