@@ -52,6 +52,7 @@ def prepare(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, 
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(target), (args, kwargs))
     _check_devices_and_dtypes(private, args, kwargs)
     # precision=: reject what cannot work on this device; skip casts that would be slower.
+    cfg = precision_lib.autocast_tolerance(cfg, private, args, kwargs, training)
     cfg, precision_notes = precision_lib.check_target(cfg, model_device(private), training)
     optimized = module_class(private, cfg, dynamic=dynamic, dynamic_shapes=dynamic_shapes,
                              shares_weights=share)
