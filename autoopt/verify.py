@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from . import memory_profile
 from .errors import wrapped_error
 
 
@@ -474,6 +475,8 @@ def check_all(run_pair: Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, A
             discard(i, "eager gave non-finite values on them where the example gave finite ones")
             continue
         result = compare(expected, actual, tolerances)
+        del expected, actual
+        memory_profile.trim()  # the run's outputs and activations, freed mid-heap
         max_abs, max_rel = max(max_abs, result.max_abs_error), max(max_rel, result.max_rel_error)
         if not result.ok:
             return VerifyResult(False, max_abs, max_rel, i + 1, f"on the {which}: {result.detail}",
