@@ -3,15 +3,17 @@ model opens ONNX Runtime without exporting again (an export is 2-10 s; opening a
 the cached graph, a tenth of a second).
 
 An entry is the exported file with every weight initializer emptied (marked as external data
-with no file behind it) and the names of those initializers, each one a parameter, buffer or
-constant of the graph module by that name, checked bitwise equal to what the exporter wrote.
+with no file behind it) and, for each of those initializers, the parameter, buffer or constant
+of the graph module it is: the tensor of that name, or a 2-D tensor transposed (a linear's
+weight as a MatMul operand), checked bitwise equal to what the exporter wrote.
 A later lowering of the same graph (the same code, tensors' names, shapes and dtypes, inputs,
 library versions: ``key``) hands ONNX Runtime the graph module's current tensors for them
 (``SessionOptions.add_external_initializers``): the weights are always this run's, never the
 cached run's. Not cached: a graph where the exporter computed a weight of its own (a floating
-initializer that is none of the module's tensors, or one named after a tensor that holds other
-values, as when it folds a BatchNorm into a convolution), weights beyond one protobuf, devices
-other than the CPU. The session is verified against eager like any lowering, cached or not.
+initializer that is none of the module's tensors, as when it folds an embedding lookup of a
+constant index, or one named after a tensor that holds other values, as when it folds a
+BatchNorm into a convolution), weights beyond one protobuf, devices other than the CPU. The
+session is verified against eager like any lowering, cached or not.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ..cost_model import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-_FORMAT = 1
+_FORMAT = 2
 # Dtypes whose tensors ONNX Runtime can take from numpy views of the module's memory.
 _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
                  torch.int16, torch.int8, torch.uint8, torch.bool)
@@ -79,18 +81,37 @@ def load(entry: str, gm: GraphModule) -> tuple[bytes, dict[str, torch.Tensor]] |
     or None (no entry, or one these tensors do not fit)."""
     base = folder() / entry
     try:
-        names = json.loads(base.with_suffix(".json").read_text())["initializers"]
+        emptied = json.loads(base.with_suffix(".json").read_text())["initializers"]
         graph = base.with_suffix(".onnx").read_bytes()
-    except (OSError, ValueError, KeyError, TypeError):
+        tensors = tensors_of(gm)
+        given, transposed = {}, {}
+        for name, of in emptied.items():
+            t = tensors.get(of["of"])
+            if (t is None or list(t.shape) != of["shape"] or str(t.dtype) != of["dtype"]
+                    or t.dtype not in _NUMPY_DTYPES):
+                return None
+            (transposed if of["transpose"] else given)[name] = t
+        if transposed:
+            graph = _with_transposed(graph, transposed)
+    except Exception as exc:  # noqa: BLE001 - an entry that cannot be read is a miss
+        log.info("the ONNX cache entry %s is not usable (%s)", entry, exc)
         return None
-    tensors = tensors_of(gm)
-    if not all(isinstance(names.get(n), list) and n in tensors for n in names):
-        return None
-    for name, (shape, dtype) in names.items():
-        t = tensors[name]
-        if list(t.shape) != shape or str(t.dtype) != dtype or t.dtype not in _NUMPY_DTYPES:
-            return None
-    return graph, {name: tensors[name] for name in names}
+    return graph, given
+
+
+def _with_transposed(graph: bytes, weights: dict[str, torch.Tensor]) -> bytes:
+    """The graph with these initializers written in, transposed: ONNX Runtime then owns
+    them (a transposed copy handed over as an external initializer would have to live as
+    long as the session, beside the packed copy ORT makes)."""
+    import onnx
+
+    proto = onnx.ModelProto.FromString(graph)
+    for init in proto.graph.initializer:
+        if init.name in weights:
+            init.ClearField("external_data")
+            init.data_location = onnx.TensorProto.DEFAULT
+            init.raw_data = weights[init.name].detach().cpu().t().contiguous().numpy().tobytes()
+    return proto.SerializeToString()
 
 
 def store(entry: str, path: Path, gm: GraphModule) -> str:
@@ -100,22 +121,31 @@ def store(entry: str, path: Path, gm: GraphModule) -> str:
     from onnx import external_data_helper, numpy_helper
 
     proto = onnx.load(str(path))
-    tensors = tensors_of(gm)
+    tensors = {n: t for n, t in tensors_of(gm).items() if t.dtype in _NUMPY_DTYPES}
     small_weights = any(t.is_floating_point() and t.numel() <= 1 for t in tensors.values())
-    emptied: dict[str, tuple[list[int], str]] = {}
+    # A linear's weight is often written transposed (a MatMul's right operand): found by
+    # its first row, then compared whole.
+    transposed = {(tuple(t.shape[::-1]), _head(t.detach().cpu()[:, 0])): n
+                  for n, t in tensors.items() if t.dim() == 2 and t.is_floating_point()}
+    emptied: dict[str, dict[str, Any]] = {}
     for init in proto.graph.initializer:
         value = numpy_helper.to_array(init)
         t = tensors.get(init.name)
+        of, transpose = init.name, False
+        if t is None and value.ndim == 2 and value.size > 1:
+            of = transposed.get((value.shape, _head(torch.from_numpy(value[0].copy()))), "")
+            t, transpose = tensors.get(of), True
         if t is None:
             # A constant of the exporter's: the graph's code names it (a shape, an axis,
             # a literal), unless it was computed from a weight.
             if np.issubdtype(value.dtype, np.floating) and (value.size > 1 or small_weights):
                 return f"the exporter computed initializer {init.name!r} from the weights"
             continue
-        if (t.dtype not in _NUMPY_DTYPES or tuple(t.shape) != value.shape
-                or not np.array_equal(t.detach().cpu().numpy(), value)):
-            return f"initializer {init.name!r} differs from the module's tensor of that name"
-        emptied[init.name] = (list(t.shape), str(t.dtype))
+        held = t.detach().cpu()
+        if not np.array_equal((held.t() if transpose else held).numpy(), value):
+            return f"initializer {init.name!r} is not the module's tensor {of!r}"
+        emptied[init.name] = {"of": of, "shape": list(t.shape), "dtype": str(t.dtype),
+                              "transpose": transpose}
         size = len(init.raw_data) or value.nbytes
         init.raw_data = b"\0"  # set_external_data asks for raw data, which it then drops
         external_data_helper.set_external_data(init, location="autoopt-weights-not-stored",
@@ -130,6 +160,10 @@ def store(entry: str, path: Path, gm: GraphModule) -> str:
     _write(target / f"{entry}.json", json.dumps({"format": _FORMAT,
                                                   "initializers": emptied}).encode())
     return ""
+
+
+def _head(row: torch.Tensor) -> bytes:
+    return row[:8].contiguous().numpy().tobytes()
 
 
 def _write(path: Path, data: bytes) -> None:
