@@ -3,6 +3,7 @@
     python bench/inference.py [--threads 1,2] [--batches 1,8] [--models resnet50,gpt2]
                               [--rounds 15] [--device cuda] [--skip RUNNERS]
                               [--optimize-times | --no-optimize-times] [--write] [--out table.md]
+    python bench/inference.py --call-overhead [--models ...] [--batches 1] [--threads 1]
 
 Models have random weights at full size (images 224×224, text 128 tokens). For each model and
 batch the runners (eager, autoopt, torch.compile, torch.compile with freezing on the CPU or
@@ -17,6 +18,8 @@ after preparing, the max abs error against eager, and autoopt's ONNX file agains
 export's under ORT as the median of back-to-back round ratios. ``--threads 1,2`` runs the whole
 table per thread count. ``--write`` updates docs/benchmarks.md (and turns on
 ``--optimize-times``, which runs autoopt.optimize twice more per row in child processes).
+``--call-overhead`` prints instead what each call of the optimized module spends on checking
+the model's state and the inputs, next to its graph's run.
 """
 
 from __future__ import annotations
@@ -518,6 +521,49 @@ def section(tables: list[str], command: str, device: str, optimize_times_on: boo
         "\n") + "\n"
 
 
+def call_overhead(name: str, batch: int, device: str = "cpu") -> dict[str, Any]:
+    """What one call of the optimized module costs beyond running its graph: the checks of
+    the module's state and the inputs (``OptimizedModule.forward`` with its specialization's
+    run replaced by a no-op, median of 21 rounds of 1000 calls), and the graph's own run,
+    for scale."""
+    model, args, kwargs = _build_model(name, batch, device)
+    with torch.no_grad():
+        fast = autoopt.optimize(model, args, kwargs)
+        fast(*args, **kwargs)
+        spec = fast._specializations[0]
+        run = spec.run
+        alone = []
+        for _ in range(15):
+            start = time.perf_counter()
+            run(*args, **kwargs)
+            alone.append(time.perf_counter() - start)
+        spec.run = lambda *a, **k: None
+        checks = []
+        try:
+            for _ in range(21):
+                start = time.perf_counter()
+                for _ in range(1000):
+                    fast(*args, **kwargs)
+                checks.append((time.perf_counter() - start) / 1000)
+        finally:
+            spec.run = run
+        assert fast._specializations == [spec], "a check dropped the graph"
+    tensors = {id(t) for t in (*fast.module.parameters(), *fast.module.buffers())}
+    return {"model": name, "batch": batch, "tensors": len(tensors),
+            "modules": len(list(fast.module.modules())), "backend": spec.backend or "aten",
+            "checks_s": statistics.median(checks), "run_s": statistics.median(alone)}
+
+
+def overhead_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model | batch | tensors / modules watched | per-call checks µs | graph's run ms "
+             "(backend) | checks ÷ run |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['batch']} | {r['tensors']} / {r['modules']} | "
+                     f"{r['checks_s'] * 1e6:.0f} | {r['run_s'] * 1e3:.2f} ({r['backend']}) | "
+                     f"{r['checks_s'] / r['run_s']:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
 def _child_main(args: argparse.Namespace) -> int:
     torch.set_num_threads(int(args.threads))
     result = optimize_once(args.child_optimize, int(args.batches), args.device)
@@ -541,6 +587,9 @@ def main() -> int:
                         "and with its cache warm (default: on with --write)")
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     parser.add_argument("--out", type=Path, help="also write the table to this file")
+    parser.add_argument("--call-overhead", action="store_true",
+                        help="instead of the table: what each call of the optimized module "
+                             "spends on its checks, per model and batch")
     parser.add_argument("--child-optimize", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_optimize:
@@ -551,6 +600,13 @@ def main() -> int:
     # not read from an earlier one, and the user's cache is left alone.
     cache = tempfile.TemporaryDirectory(prefix="autoopt-bench-")
     os.environ["XDG_CACHE_HOME"] = cache.name
+    if args.call_overhead:
+        torch.set_num_threads(int(args.threads.split(",")[0]))
+        print(overhead_table([call_overhead(name, int(batch), args.device)
+                              for name in args.models.split(",")
+                              for batch in args.batches.split(",")]))
+        cache.cleanup()
+        return 0
     thread_counts = [int(t) for t in args.threads.split(",")]
     if torch.device(args.device).type == "cuda":
         thread_counts = thread_counts[:1]
