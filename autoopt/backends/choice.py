@@ -80,8 +80,9 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
         log.info("backend: lowering the %s with %s", graph, lowering.name)
         start = time.perf_counter()
         try:
-            run = lowering.build()
-            verdict = None if lowering.verified or verify is None else verify(run)
+            with memory_profile.stage(f"backend {lowering.name}"):
+                run = lowering.build()
+                verdict = None if lowering.verified or verify is None else verify(run)
         except Exception as exc:  # noqa: BLE001 - a backend that fails is skipped, not fatal
             log.info("backend %s failed: %s", lowering.name, exc)
             skipped[lowering.name] = f"failed to lower: {_first_line(exc)}"
