@@ -89,6 +89,24 @@ def test_inductor_trains_with_eagers_gradients(name: str) -> None:
         torch.testing.assert_close(dict(fast.module.named_buffers())[name_], b)
 
 
+def test_inductor_trains_with_dropout_drawing_eagers_masks() -> None:
+    """A training graph with dropout: Inductor draws the masks with ATen's random ops
+    (``fallback_random``), so its step is eager's on the same RNG and verification keeps it
+    (with its own masks it differed from eager, and BERT and GPT-2 never got Inductor)."""
+    model, args, kwargs = gpt2(dropout=0.1)
+    model.train()
+    reference = copy.deepcopy(model)
+    fast = autoopt.optimize(model, args, kwargs, training=True, backend="inductor")
+    assert fast.specializations[0].backend == "inductor"
+    torch.manual_seed(1)
+    expected, expected_grads = _train_step(reference, args, kwargs)
+    torch.manual_seed(1)
+    actual, grads = _train_step(fast, args, kwargs)
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-3, atol=1e-5)
+
+
 def test_onnxruntime_is_skipped_for_training_and_forcing_it_raises() -> None:
     model, args, kwargs = cnn()
     model.train()

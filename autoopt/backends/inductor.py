@@ -64,10 +64,13 @@ def lower(gm: GraphModule, *, dynamic: bool, gradients: bool,
 
     A private copy of the graph module is compiled, so that dropping the result (a candidate
     that lost) also drops what Dynamo cached for it. ``settings``: the user's ``mode`` and
-    ``options`` (``autoopt.backends.INDUCTOR_OPTIONS``); freezing is on for inference unless
-    they say otherwise.
+    ``options`` (``autoopt.backends.INDUCTOR_OPTIONS``); freezing is on for inference and
+    ``fallback_random`` with gradients, unless they say otherwise.
     """
-    options = {"freezing": not gradients, **config_of(settings, dynamic)}
+    # With gradients, random ops (dropout) run as ATen's: the same draws as eager's from the
+    # same RNG, so a training step verifies against eager (Inductor's own masks differ).
+    options = {"freezing": not gradients, "fallback_random": gradients,
+               **config_of(settings, dynamic)}
     graph = copy_graph_module(gm)
     return InductorGraph(torch.compile(graph, backend="inductor", fullgraph=True,
                                        dynamic=dynamic, options=options))
