@@ -242,16 +242,23 @@ def _measure_first(gm: GraphModule, ctx: PassContext, candidates: tuple[str, ...
     choices and packs each winner once more. Returns the choices, by ``_what``."""
     chosen: dict[str, str] = {}
     for node in list(gm.graph.nodes):
-        linear = _eligible(gm, node, cold)
+        # A merged weight's shape alone first: concatenating it is a copy (2.4 GiB over a
+        # 1 B decoder's layers), needed only to measure a shape not measured yet.
+        linear = _eligible(gm, node, cold, lazy=True)
         if linear is None or _copies(ctx, linear, candidates, True, chosen) <= 1:
             continue  # not a linear, or its choice is known
+        if linear.weight.is_meta:
+            linear = _eligible(gm, node, cold)
+            if linear is None:
+                continue
         need = len(candidates) * linear.weight.numel() * linear.weight.element_size()
         if not memory_profile.allowance().shortfall(need, "packed_linear's packed weights"):
             _choose(gm, ctx, linear, candidates, chosen)
     return chosen
 
 
-def _eligible(gm: GraphModule, node: Node, cold: bool = False) -> _Linear | None:
+def _eligible(gm: GraphModule, node: Node, cold: bool = False,
+              lazy: bool = False) -> _Linear | None:
     """The linear's parts, if MKL's packed GEMM computes exactly what the node does: an fp32
     input of static shape, a constant 2-D fp32 weight, a constant bias of the output's width
     (or none), and for ``addmm`` no scaling (``beta = alpha = 1``)."""
@@ -263,7 +270,7 @@ def _eligible(gm: GraphModule, node: Node, cold: bool = False) -> _Linear | None
         return None
     if node.target in ops.LINEAR.aten:
         x, bias = kw.get("input"), kw.get("bias")
-        weight, derived = _constant_weight(gm, kw.get("weight"))
+        weight, derived = _constant_weight(gm, kw.get("weight"), lazy)
     else:
         if kw.get("beta", 1) != 1 or kw.get("alpha", 1) != 1:
             return None
@@ -292,16 +299,20 @@ def _eligible(gm: GraphModule, node: Node, cold: bool = False) -> _Linear | None
     return _Linear(node, x, weight.detach(), bias, rows, derived, cold)
 
 
-def _constant_weight(gm: GraphModule, node: Any) -> tuple[torch.Tensor | None, bool]:
+def _constant_weight(gm: GraphModule, node: Any, lazy: bool = False,
+                     ) -> tuple[torch.Tensor | None, bool]:
     """A linear's constant weight and whether a pass made it (not the model's own): a
     ``get_attr`` constant, or a merged weight the driver reads as a concatenation of the
-    model's weights (``merge_linear.CONCATENATED``), computed here to be packed."""
+    model's weights (``merge_linear.CONCATENATED``), computed here to be packed (``lazy``:
+    only its shape, a meta tensor)."""
     weight = constant_tensor(gm, node)
     if weight is not None:
         return weight, is_read_only(weight)
     if isinstance(node, Node) and node.meta.get(CONCATENATED) and node.target is aten.cat.default:
         parts = [constant_tensor(gm, p) for p in node.args[0]]
         if parts and all(p is not None for p in parts):
+            if lazy:
+                return torch.cat([p.detach().to("meta") for p in parts]), True
             return torch.cat([p.detach() for p in parts]), True
     return None, False
 
