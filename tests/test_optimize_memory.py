@@ -426,3 +426,20 @@ def test_backend_candidates_are_built_one_at_a_time(tmp_path: Path) -> None:
                                    timer=lambda r: r, cost_model=cost, what="test",
                                    required=False, gradients=False)
     assert cached.cached and cached.chosen == "d" and most[0] == 1
+
+
+def test_the_html_report_lists_what_was_left_out_for_memory() -> None:
+    pytest.importorskip("matplotlib")
+    from autoopt.diagnose.collect import ReportData
+    from autoopt.diagnose.render import render_html
+    from autoopt.report import BackendChoice, CaptureRecord, Report
+
+    capture = CaptureRecord("x: f32[1, 8]", method="export", memory=[
+        "packed_linear's packed weights: needs about 62 MiB and optimize_memory=1 MiB "
+        "leaves 0 B"])
+    capture.backends.append(BackendChoice("whole graph", "aten", skipped={
+        "onnxruntime": "not built for memory: it needs about 2.35 GiB and 1 GiB is free"}))
+    text = render_html(ReportData("m", report=Report([capture])))
+    assert "packed_linear&#x27;s packed weights" in text or "packed_linear's packed" in text
+    assert "not done for memory" in text and "needs about 62 MiB" in text
+    assert "not onnxruntime: not built for memory" in text

@@ -211,6 +211,10 @@ def _passes_section(data: ReportData) -> str:
                         f"<td class=\"applied\">{_e(choice.chosen)}</td><td>{_e(measured)}"
                         f"{' (cached)' if choice.cached else ''}</td><td></td>"
                         f"<td>{_e(skipped)}</td></tr>")
+        for note in c.memory:  # steps optimize_memory (or free memory) left out
+            step, _, why = note.partition(": ")
+            rows.append(f"<tr><td>{_e(step)}</td><td class=\"rolled_back\">not done for "
+                        f"memory</td><td></td><td></td><td>{_e(why)}</td></tr>")
     chart = ""
     if counts:
         fig, ax = figure(6.5, 0.6 + 0.35 * len(counts))
