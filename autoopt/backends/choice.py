@@ -1,8 +1,10 @@
 """Choosing a graph's backend: every candidate lowered, verified, then measured.
 
-A candidate that cannot be built (not installed, an op it lacks, a compile error) or whose
-results differ from eager is skipped with its reason; the verified ones are timed by the cost
-model on the real inputs, interleaved, and the fastest runs the calls. The measurement is
+A candidate that cannot be built (not installed, an op it lacks, a compile error, more memory
+than ``optimize_memory`` or the free memory leaves) or whose results differ from eager is
+skipped with its reason; the verified ones are timed by the cost model on the real inputs, one
+at a time against the fastest so far (interleaved, the slower freed before the next is built),
+and the fastest runs the calls. The measurement is
 cached on disk under the graph's identity (its code, weights' shapes, inputs' shapes, the
 candidates, the device, thread count and library versions), so the next ``optimize`` of the
 same model builds and verifies only the winner.
