@@ -13,8 +13,9 @@ A whole graph (export, symbolic_trace) bakes in more than the input signature:
 
 ``ModuleWatch`` keeps a snapshot of all three and answers, cheaply enough to ask on every call,
 whether it still holds: each check is a few calls that loop in C over every slot, attribute or
-tensor (``map`` over getters, one gather for the sampled memory), about 60 µs for 312 tensors
-and 255 submodules (mobilenet_v3_large) where a Python step per tensor cost 0.4 ms.
+tensor (``map`` over getters, one gather for the sampled memory), tens of nanoseconds an item
+where a Python step per table and a ``torch.cat`` of a view per tensor cost ten times that
+(docs/benchmarks.md: mobilenet_v3_large's 312 tensors, before and after).
 """
 
 from __future__ import annotations
