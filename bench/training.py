@@ -287,12 +287,10 @@ def describe(fast: nn.Module) -> str:
     parts = []
     for c in report.captures:
         parts.append(c.method)
-        parts += [f"backend {b.chosen}" + (" (" + ", ".join(
-            f"{n} {s * 1e3:.0f} ms" for n, s in sorted(b.seconds.items(),
-                                                     key=lambda i: i[1])) + ")"
-            if b.seconds else "") for b in c.backends]
+        parts += [b.describe() for b in c.backends]
         if c.precision is not None:
             parts.append(c.precision.lines()[0])
+    parts += [w for w in report.warnings if w.startswith("precision=")]
     return "; ".join(dict.fromkeys(parts))
 
 
