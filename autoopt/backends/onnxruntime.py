@@ -93,15 +93,17 @@ def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str
         with objects.scoped_for(expected):  # a DynamicCache output (see capture.objects)
             write_onnx(gm, args, kwargs, path, input_names, output_names, None, (), None,
                        external, "auto")
-        # The session holds the weights in memory once created; the folder can go.
-        session = onnx_session(path, device, threads=threads)
         if device.type == "cpu" and not external:
+            # Before the session: the file read back for the entry (a copy of the weights)
+            # is freed before ORT makes its own.
             try:
                 why = onnx_cache.store(entry, path, gm)
             except Exception as exc:  # noqa: BLE001 - an unwritable cache costs a re-export
                 why = f"{type(exc).__name__}: {exc}"
             if why:
                 log.info("onnxruntime: the exported graph is not cached: %s", why)
+        # The session holds the weights in memory once created; the folder can go.
+        session = onnx_session(path, device, threads=threads)
     return OrtGraph(session, input_names, expected)
 
 
