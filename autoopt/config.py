@@ -55,7 +55,8 @@ class OptimizeConfig:
             signature, beyond what the process holds when it starts (bytes, a fraction of the
             memory free then in (0, 1], or a string like ``"4GiB"``); None: what is free. A
             step that would need more (a packed or merged copy of weights, a backend
-            candidate) is left out or done one at a time, and the report says so.
+            candidate, eager's outputs kept between verification checks) is left out or done
+            one at a time, and the report says so.
     """
 
     disable: tuple[str, ...] = ()

@@ -296,10 +296,12 @@ class Allowance:
 
 
 def size(nbytes: int) -> str:
-    """``nbytes`` for a person: GiB from one GiB up, MiB from one MiB, else bytes."""
+    """``nbytes`` for a person: GiB from one GiB up, MiB from one MiB, KiB, else bytes."""
     if abs(nbytes) >= _GIB:
         return f"{nbytes / _GIB:.2f} GiB"
-    return f"{nbytes / 2**20:.0f} MiB" if abs(nbytes) >= 2**20 else f"{nbytes} B"
+    if abs(nbytes) >= 2**20:
+        return f"{nbytes / 2**20:.0f} MiB"
+    return f"{nbytes / 2**10:.0f} KiB" if abs(nbytes) >= 2**10 else f"{nbytes} B"
 
 
 def allowance() -> Allowance:
