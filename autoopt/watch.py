@@ -212,7 +212,9 @@ class _Fingerprint:
         self.pointers = _pointers(tensors)
         self.clean = True  # set by the owner: whether every graph matched these values
         raw: list[tuple[int, list[int]]] = []  # (tensor index, absolute byte addresses)
-        views: list[tuple[int, torch.Tensor]] = []
+        # Views grouped by device and dtype: one concatenation and comparison per group (on
+        # a GPU, one synchronization per group, not per tensor).
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
         self._storages = []
         for i, t in enumerate(tensors):
             if t.is_meta or t.numel() == 0 or t.layout != torch.strided:
@@ -228,12 +230,12 @@ class _Fingerprint:
                                 for b in range(size)]))
                 self._storages.append(t.untyped_storage())
             else:
-                views.append((i, torch.as_strided(t.detach(), (count,), (step,),
-                                                  t.storage_offset())))
+                groups.setdefault((t.device, t.dtype), []).append((i, torch.as_strided(
+                    t.detach(), (count,), (step,), t.storage_offset())))
         self._raw = _Gather(raw) if raw else None
-        self._views = views
+        self._groups = list(groups.values())
         self.raw = self._raw.read() if self._raw is not None else b""
-        self.samples = [_bits(view).clone() for _, view in views]
+        self.samples = [_read(group) for group in self._groups]
 
     def holds(self) -> bool:
         if not self.clean or list(map(_VERSION, self.tensors)) != self.versions:
@@ -242,8 +244,8 @@ class _Fingerprint:
             return False
         if self._raw is not None and self._raw.read() != self.raw:
             return False
-        return all(_same(view, saved) for (_, view), saved in zip(self._views, self.samples,
-                                                                  strict=True))
+        return all(torch.equal(_read(group), saved)
+                   for group, saved in zip(self._groups, self.samples, strict=True))
 
     def rewritten(self) -> set[int]:
         now = _pointers(self.tensors)
@@ -251,9 +253,13 @@ class _Fingerprint:
         changed = set(moved)
         if self._raw is not None:  # only memory still where it was is read
             changed |= self._raw.differing(self.raw, skip=moved)
-        for (i, view), saved in zip(self._views, self.samples, strict=True):
-            if i not in moved and not _same(view, saved):
-                changed.add(i)
+        for group, saved in zip(self._groups, self.samples, strict=True):
+            current, start = _read(group), 0
+            for i, view in group:
+                end = start + view.numel()
+                if i not in moved and not torch.equal(current[start:end], saved[start:end]):
+                    changed.add(i)
+                start = end
         return {id(self.tensors[i]) for i in changed}
 
 
@@ -295,14 +301,12 @@ def _pointers(tensors: list[torch.Tensor]) -> list[int]:
     return list(map(torch.Tensor.data_ptr, tensors))
 
 
-def _bits(view: torch.Tensor) -> torch.Tensor:
-    """Read as integers, so that NaN weights compare equal to themselves."""
-    bits = _SAME_WIDTH_INT.get(view.dtype)
-    return view.view(bits) if bits is not None else view
-
-
-def _same(view: torch.Tensor, saved: torch.Tensor) -> bool:
-    return torch.equal(_bits(view), saved)
+def _read(group: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """A group's sampled elements in one tensor (a copy), read as integers so that NaN
+    weights compare equal to themselves."""
+    flat = torch.cat([view for _, view in group])
+    bits = _SAME_WIDTH_INT.get(flat.dtype)
+    return flat.view(bits) if bits is not None else flat
 
 
 _SAME_WIDTH_INT = {torch.float32: torch.int32, torch.float64: torch.int64,
