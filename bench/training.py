@@ -329,8 +329,9 @@ def table(rows: list[Row], sizes: dict[str, tuple[int, int]], params: dict[str, 
             mfu = f"{r.flops.mfu:.1%} ({r.flops.precision})" if r.flops else "-"
             memory = f"{r.memory / 2**20:.0f}" if r.memory is not None else "-"
             setup_s = f"{r.setup_s:.0f}" if r.setup_s is not None else "-"
+            speedup = f"{r.speedup:.2f}×" if r.speedup is not None else "-"  # eager failed
             lines.append(f"| {label} | {r.runner} | {r.step_s * 1e3:.1f} | {mfu} | {memory} | "
-                         f"{r.speedup:.2f}× | {setup_s} |")
+                         f"{speedup} | {setup_s} |")
         if r.note:
             notes.append(f"- {r.model}, {r.runner}: {r.note}")
     return "\n".join(lines + [""] + notes) + "\n"
