@@ -133,7 +133,11 @@ class PackedLinear:
     def _pack(self) -> torch.Tensor:
         weight = self.weight.contiguous()
         if self.kernel == "onednn":
-            return torch.ops.mkldnn._reorder_linear_weight(weight, self.rows)
+            # Without the row-count hint: the layout oneDNN picks for one row streams from
+            # memory at 2/3 the speed of its default one (GPT-2's layers at 1 thread on an AMD
+            # EPYC, weights out of cache: 16.5 against 10.7 ms a token), which is as fast
+            # (within 3%) from 4 to 64 rows and faster at 256.
+            return torch.ops.mkldnn._reorder_linear_weight(weight)
         return torch.ops.mkl._mkl_reorder_linear_weight(weight, self.rows)
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -398,3 +398,20 @@ def test_a_cold_choice_evicts_the_last_level_cache_before_each_timed_run(
         cost.fastest(f"mm|cold={cold}", {"a": lambda: x @ x.t(), "b": lambda: x.mm(x.t())},
                      repeats=3, cold=cold)
         assert evictions == [cold] * 6  # two candidates, three rounds
+
+
+@requires_onednn
+def test_onednn_packs_in_its_default_layout_whatever_the_row_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layout oneDNN picks when told one row streams from memory at 2/3 the speed of its
+    default (docs/benchmarks.md, LLM decoding): a decode step's weights are packed without the
+    hint."""
+    calls: list[tuple[Any, ...]] = []
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight",
+                        lambda *args: calls.append(args[1:]) or reorder(*args))
+    weight, x = torch.randn(8, 16), torch.randn(1, 16)
+    for rows in (1, 32):
+        linear = PackedLinear(weight, rows, "onednn")
+        torch.testing.assert_close(linear(x, None), F.linear(x, weight))
+    assert calls == [(), ()]
