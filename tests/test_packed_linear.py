@@ -290,6 +290,7 @@ class Chooses:
         self.choice = choice
         self.offered: list[set[str]] = []
         self.asked: list[tuple[str, bool]] = []  # (what, cold) per choice
+        self.sweeps: list[int] = []  # how many copies of the weight a run goes through
 
     def recorded(self, what: str, names: object) -> None:
         return None
@@ -300,6 +301,7 @@ class Chooses:
         self.asked.append((what, cold))
         with torch.no_grad():
             outputs = {name: run() for name, run in candidates.items()}
+        self.sweeps.append(len(outputs["aten"]) if isinstance(outputs["aten"], list) else 1)
         for name, out in outputs.items():
             torch.testing.assert_close(out, outputs["aten"], msg=name)
         best = self.choice if self.choice in candidates else "aten"
@@ -373,17 +375,21 @@ def test_an_unknown_kernel_is_refused() -> None:
         PackedLinear(torch.randn(4, 4), 2, "cublas")
 
 
-@pytest.mark.parametrize("cache_bytes, cold", [(2**40, False), (1024, True)])
+@pytest.mark.parametrize("cache_bytes, cold, sweeps", [(2**40, False, [1, 1]), (1024, True, [1, 1]),
+                                                      (4096, True, [2, 2])])
 def test_weights_larger_than_the_last_level_cache_are_measured_from_memory(
-        monkeypatch: pytest.MonkeyPatch, cache_bytes: int, cold: bool) -> None:
+        monkeypatch: pytest.MonkeyPatch, cache_bytes: int, cold: bool, sweeps: list[int],
+) -> None:
     """A decoder step reads every weight once: where the linears' weights outgrow the
-    last-level cache, each kernel is timed with its weight out of cache, and that choice is
-    remembered apart from the in-cache one."""
+    last-level cache, each kernel is timed with its weight out of cache (each run sweeping
+    copies of a weight smaller than the cache: 2 x 3 KiB against a 4 KiB cache here), and
+    that choice is remembered apart from the in-cache one."""
     module = importlib.import_module("autoopt.passes.packed_linear")
     monkeypatch.setattr(module, "cpu_cache_bytes", lambda last_level=False: cache_bytes)
     cost = Chooses("onednn_packed" if "onednn" in kernels(CPU) else "aten")
     _rewrite(Before(), torch.randn(2, 5, 16), cost=cost)
     assert [c for _, c in cost.asked] == [cold, cold]
+    assert cost.sweeps == sweeps
     assert all(what.endswith("|cold") == cold for what, _ in cost.asked)
 
 
