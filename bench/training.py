@@ -41,6 +41,7 @@ import dataclasses
 import gc
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -386,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     full = args.full or device.type == "cuda"
     sizes = {m: (args.batch or (CASES[m].full if full else CASES[m].cpu)[0],
                  args.seq or (CASES[m].full if full else CASES[m].cpu)[1]) for m in models}
-    command = ("python bench/training.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = ("python bench/training.py " + shlex.join(sys.argv[1:] if argv is None else argv)
                ).strip()
     apply_models = (args.apply_models.split(",") if args.apply_models is not None
                     else models if device.type == "cuda" else ["resnet50"])
