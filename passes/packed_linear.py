@@ -160,7 +160,7 @@ class _Linear:
     bias: Node | None
     rows: int
     derived: bool = False  # a constant a pass made (read-only), not the model's own weight
-    cold: bool = False  # read from memory, not cache, on every call (_weights_outgrow_cache)
+    cold: bool = False  # read from memory on every call, and bound by that read (_COLD_ROWS)
 
 
 def kernels(device: torch.device) -> tuple[str, ...]:
@@ -301,7 +301,7 @@ def _eligible(gm: GraphModule, node: Node, cold: bool = False,
     rows = math.prod(value.shape[:-1])
     if rows == 0:
         return None
-    return _Linear(node, x, weight.detach(), bias, rows, derived, cold)
+    return _Linear(node, x, weight.detach(), bias, rows, derived, cold and rows <= _COLD_ROWS)
 
 
 def _constant_weight(gm: GraphModule, node: Any, lazy: bool = False,
@@ -344,6 +344,13 @@ def _copies(ctx: PassContext, linear: _Linear, candidates: tuple[str, ...],
     if stored:
         return int(min(stored, key=stored.__getitem__) != "aten")
     return len(candidates)
+
+
+# A linear at r rows does r/2 FLOP per byte of its fp32 weight: up to 16 rows (8 FLOP/B) a CPU
+# GEMM is bound by reading the weight (an AMD EPYC core: ~250 GFLOP/s from oneDNN over ~40
+# GB/s, about 6 FLOP/B), so where it reads it from decides its speed; above, the weight is
+# reused across rows from cache and a cold measurement would only take longer.
+_COLD_ROWS = 16
 
 
 def _bytes(t: torch.Tensor) -> int:

@@ -421,3 +421,14 @@ def test_onednn_packs_in_its_default_layout_whatever_the_row_count(
         linear = PackedLinear(weight, rows, "onednn")
         torch.testing.assert_close(linear(x, None), F.linear(x, weight))
     assert calls == [(), ()]
+
+
+def test_a_linear_over_many_rows_is_measured_warm_even_where_weights_outgrow_the_cache(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over more than 16 rows a GEMM reuses its weight from cache (bound by compute): where it
+    was read from first hardly matters, and sweeping copies would only take longer."""
+    module = importlib.import_module("autoopt.passes.packed_linear")
+    monkeypatch.setattr(module, "cpu_cache_bytes", lambda last_level=False: 1024)
+    cost = Chooses("aten")
+    _rewrite(Before(), torch.randn(2, 9, 16), cost=cost)  # 18 rows
+    assert [c for _, c in cost.asked] == [False, False] and cost.sweeps == [1, 1]
