@@ -12,6 +12,7 @@ graph into 2 and 4 contiguous stages of equal predicted time, run each stage alo
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -28,6 +29,7 @@ from torch import nn
 
 from autoopt.capture.graph import export_graph, flat_example_inputs
 from autoopt.cost_model import CostCache, CostModel
+from autoopt.cost_model.device import device_info
 from autoopt.cost_model.stages import balanced_cut, split_stages
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -208,6 +210,15 @@ def write_section(path: Path, section: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.write_text(text)
+
+
+def heading(name: str, device: torch.device) -> tuple[str, str]:
+    """A benchmark section's title (``## name (CPU)`` or ``(CUDA)``) and the machine it ran
+    on, for its first line."""
+    if device.type == "cuda":
+        return f"## {name} (CUDA)", torch.cuda.get_device_name(device)
+    return (f"## {name} (CPU)",
+            f"{device_info('cpu', measure=False).name} ({os.cpu_count()} logical CPUs)")
 
 
 def publish(section: str, *, write: bool, out: Path | None = None) -> None:

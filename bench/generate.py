@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import platform
 import sys
 import time
@@ -41,11 +40,10 @@ import transformers
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cost_model_accuracy import publish  # noqa: E402
+from cost_model_accuracy import heading, publish  # noqa: E402
 
 import autoopt  # noqa: E402
 from autoopt.cli.generate import time_generation  # noqa: E402
-from autoopt.cost_model.device import device_info  # noqa: E402
 from autoopt.export.onnx_writer import weight_bytes  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -165,11 +163,7 @@ def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
 
 def table(rows: list[dict[str, Any]], threads: int, command: str, bytes_per_s: float,
           prompt: int, new: int, device: torch.device) -> str:
-    if device.type == "cuda":
-        title, machine = "## LLM decoding (CUDA)", torch.cuda.get_device_name(device)
-    else:
-        title = "## LLM decoding (CPU)"
-        machine = f"{device_info('cpu', measure=False).name} ({os.cpu_count()} logical CPUs)"
+    title, machine = heading("LLM decoding", device)
     lines = [
         title, "",
         f"`{command}` — {machine}, {threads} thread(s), torch {torch.__version__}, "

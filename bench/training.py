@@ -56,10 +56,9 @@ import transformers
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cost_model_accuracy import publish  # noqa: E402
+from cost_model_accuracy import heading, publish  # noqa: E402
 
 import autoopt  # noqa: E402
-from autoopt.cost_model.device import device_info  # noqa: E402
 from autoopt.diagnose.mfu import StepFlops, step_flops  # noqa: E402
 from autoopt.diagnose.workload import Workload  # noqa: E402
 from autoopt.memory_profile import (  # noqa: E402
@@ -298,11 +297,7 @@ def describe(fast: nn.Module) -> str:
 def table(rows: list[Row], sizes: dict[str, tuple[int, int]], params: dict[str, int],
           threads: int, command: str, rounds: int, device: torch.device,
           load: str) -> str:
-    if device.type == "cuda":
-        title, machine = "## Training step (CUDA)", torch.cuda.get_device_name(device)
-    else:
-        title = "## Training step (CPU)"
-        machine = f"{device_info('cpu', measure=False).name} ({os.cpu_count()} logical CPUs)"
+    title, machine = heading("Training step", device)
     lines = [
         title, "",
         f"`{command}` — {machine}, {threads} thread(s), torch {torch.__version__}, "
