@@ -29,10 +29,19 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .cost_model.allowance import (  # noqa: F401 - optimize_memory's allowance, here too
+    Allowance,
+    allowance,
+    allowing,
+    free_bytes,
+    rss_bytes,
+    size,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,15 +84,6 @@ def _stages() -> list[StageMemory] | None:
     return getattr(_local, "stages", None)
 
 
-def rss_bytes() -> int:
-    """The process's resident set size now (``/proc/self/statm``), 0 where unknown."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def peak_rss_bytes() -> int | None:
     """The process's high-water mark of resident memory (``VmHWM``), None where unknown."""
     try:
@@ -103,18 +103,6 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
-
-
-def _page_size() -> int:
-    try:
-        import os
-
-        return os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 4096
-
-
-_PAGE = _page_size()
 
 
 def release_free_memory() -> None:
@@ -220,106 +208,3 @@ def describe(stages: list[StageMemory]) -> str:
                      f"{s.after / _GIB:9.2f} {peak:>9} {growth:>9} {s.seconds:6.1f}")
     return "\n".join(lines) + "\n(GiB of resident memory)"
 
-
-# --- optimize_memory: what a step of optimize may add --------------------------------------
-
-# Free memory kept back from every step: the OS, other processes, the allocator's slack.
-_RESERVE = 256 * 2**20
-
-
-def free_bytes(device: torch.device | str = "cpu") -> int | None:
-    """Memory free for new allocations on ``device``: ``MemAvailable`` (``/proc/meminfo``) on a
-    CPU, ``torch.cuda.mem_get_info`` on a CUDA device; None where the OS does not say."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] if torch.cuda.is_available() else None
-    try:
-        with open("/proc/meminfo") as f:
-            match = re.search(r"MemAvailable:\s+(\d+) kB", f.read())
-    except OSError:
-        return None
-    return int(match.group(1)) * 1024 if match else None
-
-
-def _in_use(device: torch.device) -> int:
-    """What the process holds on ``device``: resident memory, or CUDA memory allocated."""
-    if device.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.memory_allocated(device)
-    return rss_bytes()
-
-
-@dataclass
-class Allowance:
-    """How much memory ``optimize`` may add while it captures one input signature.
-
-    Args:
-        device: where the model's memory is (resident memory on a CPU, CUDA memory on a GPU).
-        limit: bytes optimize may hold beyond ``start`` (``optimize_memory``); None: whatever
-            is free.
-        start: what the process held on ``device`` when the capture began.
-        notes: each step left out or done in pieces for memory, for the report.
-    """
-
-    device: torch.device
-    limit: int | None = None
-    start: int = 0
-    notes: list[str] = field(default_factory=list)
-
-    def room(self) -> int | None:
-        """Bytes a step may still add: what the limit leaves and what is free, less a
-        reserve; None where neither is known."""
-        rooms = [r for r in self._rooms().values() if r is not None]
-        return max(0, min(rooms)) if rooms else None
-
-    def _rooms(self) -> dict[str, int | None]:
-        left = (None if self.limit is None
-                else self.limit - max(0, _in_use(self.device) - self.start))
-        free = free_bytes(self.device)
-        return {"limit": left, "free": None if free is None else free - _RESERVE}
-
-    def shortfall(self, need: int, step: str, note: bool = True) -> str:
-        """'' where a step that adds about ``need`` bytes fits, else why not (with ``note``,
-        also kept for the report as ``step: why``)."""
-        rooms = self._rooms()
-        known = {k: max(0, r) for k, r in rooms.items() if r is not None}
-        if need <= 0 or not known or need <= min(known.values()):
-            return ""
-        if "limit" in known and known["limit"] <= known.get("free", known["limit"]):
-            left = f"optimize_memory={size(self.limit)} leaves {size(known['limit'])}"
-        else:
-            left = f"{size(known['free'])} is free on the {self.device.type}"
-        why = f"needs about {size(need)} and {left}"
-        if note and not any(n.startswith(f"{step}:") for n in self.notes):
-            self.notes.append(f"{step}: {why}")
-        log.info("memory: %s: %s", step, why)
-        return why
-
-
-def size(nbytes: int) -> str:
-    """``nbytes`` for a person: GiB from one GiB up, MiB from one MiB, KiB, else bytes."""
-    if abs(nbytes) >= _GIB:
-        return f"{nbytes / _GIB:.2f} GiB"
-    if abs(nbytes) >= 2**20:
-        return f"{nbytes / 2**20:.0f} MiB"
-    return f"{nbytes / 2**10:.0f} KiB" if abs(nbytes) >= 2**10 else f"{nbytes} B"
-
-
-def allowance() -> Allowance:
-    """The allowance of the capture under way in this thread, or one bounded by free memory
-    alone (``torch.compile(backend="autoopt")`` outside ``optimize``)."""
-    current = getattr(_local, "allowance", None)
-    return current if current is not None else Allowance(torch.device("cpu"))
-
-
-@contextlib.contextmanager
-def allowing(limit: int | float | None, device: torch.device) -> Iterator[Allowance]:
-    """Bound what the steps inside the block may add (``optimize_memory``): ``limit`` in bytes,
-    a fraction of the memory free on entry, or None for whatever is free."""
-    if isinstance(limit, float):
-        limit = int(limit * (free_bytes(device) or 0)) or None
-    previous = getattr(_local, "allowance", None)
-    _local.allowance = current = Allowance(device, limit, _in_use(device))
-    try:
-        yield current
-    finally:
-        _local.allowance = previous

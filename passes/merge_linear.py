@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from autoopt import memory_profile
+from autoopt.cost_model import allowance as memory
 
 from . import ops
 from .base import PassContext, PassResult
@@ -63,7 +63,7 @@ def merge_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
         biases = [b for _, _, b in group]
         # The stacked copy, made to be measured and then kept where it pays.
         need = sum(t.numel() * t.element_size() for t in [*weights, *biases] if t is not None)
-        if memory_profile.allowance().shortfall(need, "merge_linear's merged weights"):
+        if memory.allowance().shortfall(need, "merge_linear's merged weights"):
             counts["kept_for_memory"] = counts.get("kept_for_memory", 0) + 1
             continue
         if measure and not _pays(ctx, meta_val(x), weights, biases):

@@ -43,7 +43,7 @@ how many linears each kernel got as ``mkl`` and ``onednn`` (``linear`` counts bo
 
 Each packed copy (and, while a shape is first measured, one per candidate kernel) is checked
 against the memory optimize may still add (``optimize_memory``, or what is free:
-``autoopt.memory_profile.allowance``); a linear whose copies would not fit stays on ATen,
+``autoopt.cost_model.allowance``); a linear whose copies would not fit stays on ATen,
 counted as ``kept_for_memory``.
 
 fp32 only, on a CPU build with MKL or oneDNN, not in training (the packed copy is a constant
@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule, Node
 
-from autoopt import memory_profile
+from autoopt.cost_model import allowance as memory
 from autoopt.cost_model.device import cpu_cache_bytes
 from autoopt.cost_model.isolation import is_read_only
 
@@ -212,7 +212,7 @@ def packed_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
             continue
         need = _copies(ctx, linear, candidates, measure, chosen) * (
             linear.weight.numel() * linear.weight.element_size())
-        if memory_profile.allowance().shortfall(need, "packed_linear's packed weights"):
+        if memory.allowance().shortfall(need, "packed_linear's packed weights"):
             counts["kept_for_memory"] = counts.get("kept_for_memory", 0) + 1
             continue
         if measure:
@@ -257,7 +257,7 @@ def _measure_first(gm: GraphModule, ctx: PassContext, candidates: tuple[str, ...
                 continue
         copies = _rotation(linear)  # a cold measurement's copies; the aten candidate's too
         need = (len(candidates) + (copies > 1)) * copies * _bytes(linear.weight)
-        if not memory_profile.allowance().shortfall(need, "packed_linear's packed weights"):
+        if not memory.allowance().shortfall(need, "packed_linear's packed weights"):
             _choose(gm, ctx, linear, candidates, chosen)
     return chosen
 

@@ -352,7 +352,9 @@ def test_a_limit_smaller_than_a_step_needs_is_reported_not_a_crash() -> None:
 def test_steps_that_do_not_fit_in_free_memory_are_left_out(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a limit, the bound is the memory the OS says is free."""
-    monkeypatch.setattr(memory_profile, "free_bytes", lambda device="cpu": 0)
+    from autoopt.cost_model import allowance
+
+    monkeypatch.setattr(allowance, "free_bytes", lambda device="cpu": 0)
     model, x = Wide().eval(), torch.randn(1, 16, 512)
     fast = autoopt.optimize(model, (x,), **_options())
     assert fast.report.pass_counts.get("merged_groups", 0) == 0
