@@ -24,7 +24,6 @@ import contextlib
 import ctypes
 import gc
 import logging
-import re
 import sys
 import threading
 import time
@@ -39,6 +38,7 @@ from .cost_model.allowance import (  # noqa: F401 - optimize_memory's allowance,
     allowance,
     allowing,
     free_bytes,
+    proc_kib,
     rss_bytes,
     size,
 )
@@ -86,12 +86,7 @@ def _stages() -> list[StageMemory] | None:
 
 def peak_rss_bytes() -> int | None:
     """The process's high-water mark of resident memory (``VmHWM``), None where unknown."""
-    try:
-        with open("/proc/self/status") as f:
-            match = re.search(r"VmHWM:\s+(\d+) kB", f.read())
-    except OSError:
-        return None
-    return int(match.group(1)) * 1024 if match else None
+    return proc_kib("/proc/self/status", "VmHWM")
 
 
 def reset_peak_rss() -> bool:

@@ -54,9 +54,14 @@ def free_bytes(device: torch.device | str = "cpu") -> int | None:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0] if torch.cuda.is_available() else None
+    return proc_kib("/proc/meminfo", "MemAvailable")
+
+
+def proc_kib(path: str, key: str) -> int | None:
+    """A ``key:  N kB`` line of a ``/proc`` file, in bytes; None where there is none."""
     try:
-        with open("/proc/meminfo") as f:
-            match = re.search(r"MemAvailable:\s+(\d+) kB", f.read())
+        with open(path) as f:
+            match = re.search(rf"{key}:\s+(\d+) kB", f.read())
     except OSError:
         return None
     return int(match.group(1)) * 1024 if match else None

@@ -210,8 +210,7 @@ def packed_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
         linear = _eligible(gm, node, cold)
         if linear is None:
             continue
-        need = _copies(ctx, linear, candidates, measure, chosen) * (
-            linear.weight.numel() * linear.weight.element_size())
+        need = _copies(ctx, linear, candidates, measure, chosen) * _bytes(linear.weight)
         if memory.allowance().shortfall(need, "packed_linear's packed weights"):
             counts["kept_for_memory"] = counts.get("kept_for_memory", 0) + 1
             continue
@@ -229,7 +228,7 @@ def packed_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
         graph.erase_node(node)
         counts["linear"] += 1
         counts[kernel.kernel] += 1
-        packed_bytes += linear.weight.numel() * linear.weight.element_size()
+        packed_bytes += _bytes(linear.weight)
     counts["packed_mib"] = round(packed_bytes / 2**20)
     counts = {k: v for k, v in counts.items() if v}
     if "linear" in counts:
