@@ -45,6 +45,42 @@ def test_cpu_device_facts_and_measured_ceilings(tmp_path: Path) -> None:
     assert 1e-8 < c.op_overhead_s < 1e-3
 
 
+def test_a_ceiling_measured_too_low_is_measured_again_and_only_goes_up(tmp_path: Path) -> None:
+    from autoopt.cost_model.device import raise_ceilings
+    from autoopt.cost_model.dtype_speed import matmul_flops, raise_matmul_flops
+
+    path = tmp_path / "c.json"
+    measured = device_info("cpu", cache=CostCache(path)).ceilings
+    assert measured is not None
+    key = next(k for k, _ in CostCache(path).items() if k.startswith("ceilings|"))
+    # A figure cached by the old measurement (median of five runs, no "method"), taken on a
+    # loaded machine: 1 kFLOP/s. It is measured again, not believed.
+    stale = {**CostCache(path).get(key), "matmul_flops": 1e3, "memory_bandwidth": 1e3}
+    del stale["method"]
+    CostCache(path).put(key, stale)
+    again = device_info("cpu", cache=CostCache(path)).ceilings
+    assert again is not None and again.matmul_flops > 1e8 and again.memory_bandwidth > 1e8
+    # A current entry that is too low is raised by measuring again ...
+    CostCache(path).put(key, {**CostCache(path).get(key), "matmul_flops": 1e3})
+    assert device_info("cpu", cache=CostCache(path)).ceilings.matmul_flops == 1e3  # cached
+    raised = device_info("cpu", cache=CostCache(path), remeasure=True).ceilings
+    assert raised is not None and raised.matmul_flops > 1e8
+    # ... and measuring again never lowers one: the cache keeps the most the device reached.
+    CostCache(path).put(key, {**CostCache(path).get(key), "matmul_flops": 1e30})
+    assert device_info("cpu", cache=CostCache(path), remeasure=True).ceilings.matmul_flops \
+        == 1e30
+    # A throughput seen elsewhere (a model step) above a ceiling raises it, on disk too.
+    CostCache(path).put(key, {**CostCache(path).get(key), "matmul_flops": 1e3})
+    assert raise_ceilings("cpu", CostCache(path), matmul_flops=5e9).matmul_flops == 5e9
+    assert raise_ceilings("cpu", CostCache(path), matmul_flops=1e3).matmul_flops == 5e9
+    assert CostCache(path).get(key)["matmul_flops"] == 5e9
+    # Other dtypes (fp16 on a CPU) keep their own figure, by the same rules.
+    fp16 = matmul_flops("cpu", torch.float16, CostCache(path))
+    assert raise_matmul_flops("cpu", torch.float16, fp16 * 10 + 1, CostCache(path)) \
+        == fp16 * 10 + 1
+    assert matmul_flops("cpu", torch.float16, CostCache(path), remeasure=True) == fp16 * 10 + 1
+
+
 def test_flops_and_views() -> None:
     a, b = torch.randn(64, 32), torch.randn(32, 16)
     assert count_flops(torch.mm, (a, b), {}) == 2 * 64 * 32 * 16

@@ -335,9 +335,40 @@ def test_mfu_counts_a_linear_stack_analytically_forward_and_backward() -> None:
     # gradient; x needs none.
     assert d.flops.backward == 2 * 64 * (256 * 512 + 2 * 512 * 128)
     assert d.flops.by_dtype == {"float32": d.flops.total}
-    assert 0 < d.mfu < 1 or any("above 1" in n for n in d.notes), d.flops
+    assert d.mfu is not None and 0 < d.mfu <= 1 + 1e-9, d.flops
     assert d.flops.peak_flops > 0 and d.flops.achieved > 0
     assert "MFU " in str(d) and "GFLOP/s peak (fp32, measured GEMM ceiling)" in str(d)
+
+
+def test_mfu_is_never_above_one_for_a_cached_peak_measured_too_low(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from autoopt.cost_model import CostCache, device_info
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    device_info("cpu", cache=CostCache.default())
+    key = next(k for k, _ in CostCache.default().items() if k.startswith("ceilings|"))
+    # The fp32 GEMM peak as a loaded machine might have cached it: 1 MFLOP/s.
+    CostCache.default().put(key, {**CostCache.default().get(key), "matmul_flops": 1e6})
+    model, x, _ = _linear_stack()
+    d = autoopt.diagnose(model, (x,), training=True, steps=2, roofline=False)
+    assert d.flops is not None and d.mfu is not None and 0 < d.mfu <= 1 + 1e-9, d.flops
+    assert d.flops.peak["float32"] > 1e6
+    assert CostCache.default().get(key)["matmul_flops"] > 1e6  # corrected on disk
+    assert any("GEMM peak" in n for n in d.notes), d.notes
+
+
+def test_mfu_of_a_mixed_step_faster_than_its_peaks_is_held_to_one() -> None:
+    from autoopt.diagnose.mfu import StepFlops, held_to_peak
+
+    # A teraFLOP in a millisecond: no measured peak on this machine reaches it.
+    flops = StepFlops(10**12, 0, {"float32": 5 * 10**11, "bfloat16": 5 * 10**11},
+                      {"float32": 1e6, "bfloat16": 1e6}, 1e-3)
+    held = held_to_peak(flops, "cpu")
+    assert held.mfu == pytest.approx(1.0) and held.mfu <= 1 + 1e-9
+    assert held.peak["float32"] > 1e9 and held.peak["bfloat16"] > 1e9
+    assert any("for this figure" in n for n in held.notes), held.notes
+    below = StepFlops(10**6, 0, {"float32": 10**6}, {"float32": 1e9}, 1.0)
+    assert held_to_peak(below, "cpu") == below  # nothing to correct
 
 
 def test_mfu_in_inference_counts_the_forward_only() -> None:

@@ -10,11 +10,17 @@ not those of a kernel that recomputes or fuses. The peak is the cost model's mea
 ceiling (``device_info().ceilings``; ``matmul_flops`` for other dtypes): what PyTorch reaches
 here, not a spec sheet. A figure of 40-55% is what large bf16 training runs report on GPUs;
 utilization counters (NVML's SM busy, process CPU) read far higher on steps that reach less.
+
+MFU is never above 100%: a step faster than its FLOPs at the peaks says a peak is too low (one
+measured while other processes held the cores, or a 512x512 GEMM a larger shape beats), so the
+ceilings are measured again and, where the step still beats them, raised to what it reached
+(``held_to_peak``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -26,8 +32,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from ..cost_model import device_info
-from ..cost_model.dtype_speed import matmul_flops
+from ..cost_model.dtype_speed import matmul_flops, raise_matmul_flops
 from .workload import Workload, _default_loss
 
 log = logging.getLogger(__name__)
@@ -131,14 +136,45 @@ def step_flops(w: Workload, step_s: float) -> StepFlops | None:
     missing = [d for d, p in peak.items() if not p]
     if missing:
         notes.append(f"no measured peak for {missing}: those FLOPs are left out of MFU")
-    result = StepFlops(forward, sum(counter.by_dtype.values()) - forward, by_dtype, peak,
-                       step_s, tuple(notes))
-    if result.mfu >= 1.0:
-        notes.append("above 1: the step's GEMMs ran faster than the measured ceiling (a "
-                     "512x512 matmul on a CPU, 2048 on a GPU), which larger shapes can beat")
-        result = StepFlops(result.forward, result.backward, by_dtype, peak, step_s,
-                           tuple(notes))
-    return result
+    return held_to_peak(StepFlops(forward, sum(counter.by_dtype.values()) - forward,
+                                  by_dtype, peak, step_s, tuple(notes)), w.device)
+
+
+def held_to_peak(flops: StepFlops, device: str | torch.device) -> StepFlops:
+    """``flops`` against peaks the step does not beat (MFU at most 100%).
+
+    A step whose FLOPs would take longer at the peaks than the step took shows a peak too low:
+    measured while the machine was loaded, or on a 512x512 GEMM (2048 on a GPU) that the
+    step's larger shapes beat. The ceilings of its dtypes are measured again (once a process;
+    the cache keeps the higher figure), and where the step still beats them they are raised
+    to what it reached: recorded in the cost cache for a step in one dtype, for this figure
+    only (in proportion) for a step in several, whose FLOPs cannot be told apart in time.
+    Each change is a note.
+    """
+    if flops.mfu <= 1.0 or flops.step_s <= 0:
+        return flops
+    dev = torch.device(device)
+    first = flops.mfu
+    notes = list(flops.notes)
+    peak = {d: _peak(dev, d, remeasure=(str(dev), d, torch.get_num_threads()) not in
+                     _REMEASURED) if p else p for d, p in flops.peak.items()}
+    _REMEASURED.update((str(dev), d, torch.get_num_threads()) for d in peak)
+    flops = dataclasses.replace(flops, peak=peak)
+    was = ", ".join(f"{_SHORT.get(d, d)} {p / 1e9:.3g}" for d, p in flops.peak.items() if p)
+    if flops.mfu > 1.0:
+        scale = flops.mfu
+        peak = {d: p * scale for d, p in peak.items()}
+        if len(peak) == 1:
+            (dtype, reached), = peak.items()
+            peak[dtype] = max(reached, raise_matmul_flops(dev, getattr(torch, dtype), reached))
+        notes.append(f"the step beat the measured GEMM peak ({first:.0%} MFU; measured again: "
+                     f"{was} GFLOP/s): the peak is raised to what the step reached, "
+                     + ("and kept in the cost cache" if len(peak) == 1 else
+                        "for this figure") + "; MFU reads 100%")
+        return dataclasses.replace(flops, peak=peak, notes=tuple(notes))
+    notes.append(f"the cached GEMM peak was below what the step reached ({first:.0%} MFU): "
+                 f"measured again, {was} GFLOP/s")
+    return dataclasses.replace(flops, notes=tuple(notes))
 
 
 class _FlopsByDtype(TorchDispatchMode):
@@ -183,14 +219,16 @@ def _applied_precision(model: nn.Module) -> tuple[str, float] | None:
     return None
 
 
-def _peak(device: torch.device, dtype: str) -> float:
-    """The device's measured GEMM ceiling in ``dtype`` (0.0 where unknown)."""
+# (device, dtype, threads) whose ceiling this process measured again, after a step beat it.
+_REMEASURED: set[tuple[str, str, int]] = set()
+
+
+def _peak(device: torch.device, dtype: str, remeasure: bool = False) -> float:
+    """The device's measured GEMM ceiling in ``dtype`` (0.0 where unknown); ``remeasure``
+    measures it again, keeping the higher figure."""
     try:
-        if dtype == "float32":
-            ceilings = device_info(device).ceilings
-            return ceilings.matmul_flops if ceilings is not None else 0.0
-        if dtype in ("bfloat16", "float16"):
-            return matmul_flops(device, getattr(torch, dtype))
+        if dtype in ("float32", "bfloat16", "float16"):
+            return matmul_flops(device, getattr(torch, dtype), remeasure=remeasure)
     except (RuntimeError, ValueError) as exc:
         log.info("diagnose: no peak for %s on %s: %s", dtype, device, exc)
     return 0.0
