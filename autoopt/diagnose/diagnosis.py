@@ -1,8 +1,9 @@
 """Why the device is idle: run a workload, measure it, and name the causes with their evidence.
 
-    diagnosis = autoopt.diagnose(model, loader, training=True, steps=20)
+    diagnosis = autoopt.diagnose(model, loader, training=True, steps=20, optimizer=opt)
     print(diagnosis)                 # findings ranked by share of step time, each with a fix
     result = diagnosis.apply()       # optimize with those fixes; before/after step time
+    result.optimized, result.optimizer   # the module, and a new optimizer for it
 
 Each step of the workload is timed in three phases: waiting for the next batch (the loader),
 copying it to the device, and computing (forward, and backward when training). The sampler
@@ -15,10 +16,15 @@ then attributed to four causes:
 3. ``operators``: compute time in ops no longer than a few launches (many small kernels);
 4. ``parallelism``: compute time the device sits idle in compute-bound ops (small batch, a
    slow host thread, one device of several doing everything).
+
+``apply`` then tries the whole-step remedies (``whole_step``: the optimizer's update fused; on
+CUDA TF32, cuDNN benchmark and a CUDA graph of the whole step), each timed against the step
+without it, kept only where faster, and reported either way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 from collections import Counter
@@ -35,6 +41,7 @@ from .findings import Finding, Remedy, find_causes
 from .mfu import StepFlops, step_flops
 from .per_op import OpTime, bound_by_op, profile_ops, roofline_cost, roofline_labels
 from .sampler import Utilization, UtilizationSampler
+from .whole_step import StepOptions, copy_optimizer, fused_overrides, settings_off
 from .workload import Progress, StepTimes, Workload, batch_size
 
 # On a CPU: the process got under this share of its threads while the cores were this busy
@@ -81,7 +88,15 @@ class Diagnosis:
     def apply(self, *, steps: int | None = None, progress: Progress | None = None,
               **options: Any) -> BeforeAfter:
         """Run ``optimize`` with the options the findings name (those this build has), wrap
-        the loader in ``prefetch`` when data loading is a cause, and diagnose again.
+        the loader in ``prefetch`` when data loading is a cause, try the whole-step remedies
+        (the optimizer's update fused; on CUDA TF32, cuDNN benchmark, a CUDA graph of the
+        step), and diagnose again.
+
+        Each remedy is kept only where its measured step is faster; every one tried is a
+        note with its times. Your model and optimizer are not changed: the result holds a new
+        module (``optimized``) and, with ``diagnose(..., optimizer=)``, a new optimizer of
+        the same class over its parameters (``optimizer``: your hyperparameters and state as
+        they were at ``diagnose``, ``fused=True`` where that was kept).
 
         Args:
             steps: steps of the workload to run after (default: as many as before).
@@ -135,12 +150,29 @@ class Diagnosis:
                 remedies.remove(option)
                 notes.append(refused[0])
         applied = ["fusion"] + remedies + (["prefetch"] if use_prefetch else [])
+        kept, optimizer, step_notes = self._whole_step(fast, steps)
+        notes += step_notes
+        if kept != StepOptions():
+            after = self._diagnose_optimized(fast, steps, progress, use_prefetch, kept)
+            applied += _names(kept)
         if after.step.total_s > self.step.total_s:
             notes.append(f"the optimized module measured slower than the model "
                          f"({after.step.total_s * 1e3:.2f} ms against "
                          f"{self.step.total_s * 1e3:.2f} ms a step); keep the model as it is "
                          f"for this workload")
-        return BeforeAfter(self, after, applied, notes, fast)
+        return BeforeAfter(self, after, applied, notes, fast, optimizer, kept)
+
+    def _start(self) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """The model (and optimizer) as they were before the diagnosis's steps moved them."""
+        w = self.workload
+        assert w is not None
+        return w.start if w.start is not None else (w.model, w.optimizer)
+
+    def _optimizer_for(self, fast: nn.Module, **overrides: Any,
+                       ) -> torch.optim.Optimizer | None:
+        """A copy of the optimizer at its start, over ``fast``'s parameters."""
+        model, optimizer = self._start()
+        return copy_optimizer(optimizer, model, fast, **overrides) if optimizer else None
 
     def _run_optimized(self, kwargs: dict[str, Any], steps: int | None,
                        progress: Progress | None) -> tuple[nn.Module, Diagnosis, bool]:
@@ -154,21 +186,138 @@ class Diagnosis:
         args, ex_kwargs = w.example()
         for _ in (progress or (lambda it, desc: it))([0], "optimize (capture, passes, "
                                                           "verification)"):
-            fast = optimize(w.model, args, ex_kwargs, training=self.training, **kwargs)
+            fast = optimize(self._start()[0], args, ex_kwargs, training=self.training,
+                            **kwargs)
         use_prefetch = any(f.cause == "data" for f in self.findings) and w.is_loader
+        after = self._diagnose_optimized(fast, steps, progress, use_prefetch, StepOptions())
+        return fast, after, use_prefetch
+
+    def _diagnose_optimized(self, fast: nn.Module, steps: int | None,
+                            progress: Progress | None, use_prefetch: bool,
+                            options: StepOptions) -> Diagnosis:
+        """The workload diagnosed on ``fast`` run with ``options`` (through ``prefetch`` when
+        ``use_prefetch``)."""
+        w = self.workload
+        assert w is not None
         source: Any = w.source
         if use_prefetch:
             from ..runtime.prefetch import prefetch
 
             source = prefetch(w.source, w.device, depth=2)
         try:
-            after = diagnose(fast, source, training=self.training, steps=steps or self.steps,
-                             device=w.device, unpack=w.unpack, loss_fn=w.loss_fn,
-                             interval_s=self.utilization.interval_s, progress=progress)
+            return diagnose(fast, source, training=self.training, steps=steps or self.steps,
+                            device=w.device, unpack=w.unpack, loss_fn=w.loss_fn,
+                            interval_s=self.utilization.interval_s, progress=progress,
+                            optimizer=self._optimizer_for(fast), step_options=options)
         finally:
             if use_prefetch:
                 source.close()
-        return fast, after, use_prefetch
+
+    def _whole_step(self, fast: nn.Module, steps: int | None,
+                    ) -> tuple[StepOptions, torch.optim.Optimizer | None, list[str]]:
+        """Try each whole-step remedy on ``fast`` against the step without it (interleaved
+        steps, median compute time), keeping those that are faster: the options kept, a new
+        optimizer over ``fast``'s parameters with them, and a note for each remedy."""
+        w = self.workload
+        assert w is not None
+        notes: list[str] = []
+        candidates: list[tuple[str, dict[str, Any], str]] = []  # (remedy, options, how)
+        optimizer = self._optimizer_for(fast)
+        if optimizer is not None:
+            overrides, what = fused_overrides(optimizer, fast)
+            if overrides:
+                candidates.append(("fused optimizer", {"optimizer": what},
+                                   f"{type(optimizer).__name__}(..., {what}=True)"))
+            else:
+                notes.append(f"fused optimizer: not tried: {what}")
+        elif self.training:
+            notes.append("fused optimizer: not tried: no optimizer (diagnose(..., "
+                         "optimizer=opt) runs its update in each step)")
+        if w.device.type != "cuda":
+            notes.append(f"TF32, cuDNN benchmark, CUDA graph of the step: not tried: CUDA "
+                         f"only (this step runs on {w.device.type})")
+        else:
+            candidates += self._cuda_candidates(notes)
+        kept = StepOptions()
+        for remedy, change, how in candidates:
+            trial = dataclasses.replace(kept, **change)
+            try:
+                without, with_ = self._time_options(fast, kept, trial, steps)
+            except Exception as exc:  # noqa: BLE001 - a remedy that cannot run is reported
+                text = str(exc).strip().splitlines()
+                notes.append(f"{remedy} ({how}): not applied: {type(exc).__name__}: "
+                             f"{text[0][:200] if text else ''}")
+                continue
+            faster = with_ < without
+            notes.append(f"{remedy} ({how}): step {with_ * 1e3:.2f} ms with, "
+                         f"{without * 1e3:.2f} ms without (compute, median); "
+                         + ("kept" if faster else "not kept"))
+            if faster:
+                kept = trial
+        if optimizer is not None and kept.optimizer:
+            optimizer = self._optimizer_for(fast, **fused_overrides(optimizer, fast)[0])
+        return kept, optimizer, notes
+
+    def _cuda_candidates(self, notes: list[str]) -> list[tuple[str, dict[str, Any], str]]:
+        """The CUDA whole-step remedies that apply to this step; why not for the others."""
+        w = self.workload
+        assert w is not None
+        off = settings_off(w.device)
+        candidates = []
+        fp32 = self.flops is None or self.flops.by_dtype.get("float32", 0) > 0
+        if "tf32" not in off:
+            notes.append("TF32: not tried: on already in this process")
+        elif not fp32:
+            notes.append("TF32: not tried: the step runs no fp32 matmul or convolution")
+        else:
+            candidates.append(("TF32", {"tf32": True}, "torch.backends.cuda.matmul.allow_tf32 "
+                               "= torch.backends.cudnn.allow_tf32 = True, process-wide; "
+                               "set for the diagnosis's steps only"))
+        if "cudnn_benchmark" not in off:
+            notes.append("cuDNN benchmark: not tried: on already in this process")
+        elif not w.static_shapes:
+            notes.append(f"cuDNN benchmark: not tried: the input shapes varied "
+                         f"({len(w.shapes)} seen)")
+        else:
+            candidates.append(("cuDNN benchmark", {"cudnn_benchmark": True},
+                               "torch.backends.cudnn.benchmark = True, process-wide; set for "
+                               "the diagnosis's steps only"))
+        if not self.training:
+            notes.append("CUDA graph of the step: not tried: for training steps (optimize "
+                         "records inference graphs itself)")
+        elif not w.static_shapes:
+            notes.append(f"CUDA graph of the step: not tried: the input shapes varied "
+                         f"({len(w.shapes)} seen)")
+        else:
+            candidates.append(("CUDA graph of the step", {"cuda_graph": True},
+                               "forward, loss, backward and the optimizer's update recorded "
+                               "once with torch.cuda.graph and replayed"))
+        return candidates
+
+    def _time_options(self, fast: nn.Module, base: StepOptions, trial: StepOptions,
+                      steps: int | None) -> tuple[float, float]:
+        """Median compute seconds of a step of ``fast`` run with ``base`` and with ``trial``,
+        on two copies, their steps interleaved (after two warm-up steps each)."""
+        w = self.workload
+        assert w is not None
+        data, kwargs = (w.source, None) if w.is_loader else w.example()
+        runs = [Workload(fast, data, kwargs, w.device, self.training, w.unpack, w.loss_fn,
+                         optimizer=self._optimizer_for(fast), options=options)
+                for options in (base, trial)]
+        samples: list[list[float]] = [[], []]
+        with contextlib.ExitStack() as stack:
+            feeds = [stack.enter_context(contextlib.closing(r.batches())) for r in runs]
+            for r in runs:
+                stack.enter_context(r.running())
+            for i in range(2 + max(3, steps or self.steps)):
+                for k, (r, feed) in enumerate(zip(runs, feeds, strict=True)):
+                    compute_s = r.step(feed)[2]
+                    if i >= 2:
+                        samples[k].append(compute_s)
+        if runs[1].graph_misses:
+            raise RuntimeError(f"{runs[1].graph_misses} step(s) had shapes the CUDA graph was "
+                               "not recorded for")
+        return statistics.median(samples[0]), statistics.median(samples[1])
 
     def __str__(self) -> str:
         s = self.step
@@ -194,6 +343,11 @@ class BeforeAfter:
     applied: list[str]
     notes: list[str]
     optimized: nn.Module
+    # A new optimizer over ``optimized``'s parameters (diagnose(..., optimizer=) only): your
+    # optimizer's class, hyperparameters and state, fused where that was kept.
+    optimizer: torch.optim.Optimizer | None = None
+    # The whole-step remedies kept (how ``after``'s steps ran around the module).
+    step_options: StepOptions = field(default_factory=StepOptions)
 
     @property
     def speedup(self) -> float:
@@ -221,7 +375,9 @@ def diagnose(model: nn.Module, data: Any, example_kwargs: Mapping[str, Any] | No
              unpack: Callable[[Any], tuple[tuple[Any, ...], dict[str, Any]]] | None = None,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
              interval_s: float = 0.05, roofline: bool = True,
-             progress: Progress | None = None) -> Diagnosis:
+             progress: Progress | None = None,
+             optimizer: torch.optim.Optimizer | None = None,
+             step_options: StepOptions | None = None) -> Diagnosis:
     """Run ``model`` on ``data`` and say why the device is not busier.
 
     Your model object is not modified: the workload runs on a copy (a model that cannot be
@@ -244,6 +400,11 @@ def diagnose(model: nn.Module, data: Any, example_kwargs: Mapping[str, Any] | No
         interval_s: seconds between utilization samples.
         roofline: label ops with the cost model (profiles each graph node once).
         progress: wraps long loops with a progress bar, ``(iterable, description)``.
+        optimizer: your training's optimizer (``torch.optim``, over ``model``'s parameters):
+            each training step then ends with its update, run by a copy of it over the copy
+            of the model (neither of yours changes); ``apply()`` tries it fused.
+        step_options: how the step runs around the model (``whole_step.StepOptions``: a
+            fused optimizer, TF32, cuDNN benchmark, a CUDA graph); ``apply()`` sets them.
 
     Returns:
         A ``Diagnosis``; ``print`` it, or ``diagnosis.apply()`` to try the fixes.
@@ -256,7 +417,8 @@ def diagnose(model: nn.Module, data: Any, example_kwargs: Mapping[str, Any] | No
             or profile_steps < 0:
         raise ConfigError("diagnose warmup and profile_steps must be integers >= 0")
     progress = progress or (lambda it, desc: it)
-    workload = Workload(model, data, example_kwargs, device, training, unpack, loss_fn)
+    workload = Workload(model, data, example_kwargs, device, training, unpack, loss_fn,
+                        optimizer, step_options, keep_start=optimizer is not None)
     timings: list[tuple[float, float, float, float]] = []
     process_cpu = 0.0
     batches = workload.batches()
@@ -344,3 +506,10 @@ def _busy_fraction(w: Workload, process_cpu: float, compute: float,
         per_step = compute / steps
         return min(1.0, launches.get("kernel_s", 0.0) / per_step) if launches else 1.0
     return min(1.0, process_cpu / compute / torch.get_num_threads())
+
+
+def _names(options: StepOptions) -> list[str]:
+    """The whole-step remedies ``options`` hold, as ``applied`` lists them."""
+    names = {"optimizer": f"{options.optimizer} optimizer", "tf32": "TF32",
+             "cudnn_benchmark": "cuDNN benchmark", "cuda_graph": "CUDA graph of the step"}
+    return [names[f.name] for f in dataclasses.fields(options) if getattr(options, f.name)]

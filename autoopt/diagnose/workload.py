@@ -2,7 +2,10 @@
 step timed in three phases (waiting for the batch, copying it to the device, computing).
 
 A step runs the example inputs again or reads the next batch of a loader; in training it runs
-backward too. ``load_batches`` and ``console_progress`` are what ``autoopt diagnose`` feeds it.
+backward too, and the update of the optimizer when one is given (a copy of it, over the copy of
+the model). ``StepOptions`` say how the step runs around the model (a fused optimizer,
+``torch.backends`` settings, a CUDA graph of the whole step: ``whole_step``).
+``load_batches`` and ``console_progress`` are what ``autoopt diagnose`` feeds it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,13 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..errors import ConfigError, InputError, ModelError
+from .whole_step import (
+    GraphedStep,
+    StepOptions,
+    backend_settings,
+    copy_optimizer,
+    optimizer_overrides,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +52,9 @@ class Workload:
     def __init__(self, model: nn.Module, data: Any, example_kwargs: Mapping[str, Any] | None,
                  device: str | torch.device | None, training: bool,
                  unpack: Callable[[Any], tuple[tuple[Any, ...], dict[str, Any]]] | None,
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> None:
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+                 optimizer: torch.optim.Optimizer | None = None,
+                 options: StepOptions | None = None, keep_start: bool = False) -> None:
         params = list(model.parameters()) + list(model.buffers())
         self.device = torch.device(device) if device is not None else (
             params[0].device if params else torch.device("cpu"))
@@ -80,6 +92,29 @@ class Workload:
             self._example = self._to_device((inputs, dict(example_kwargs or {})))
         self.gpu_index = (self.device.index or 0) if self.device.type == "cuda" else None
         self.first_batch: Any = None
+        self.options = options or StepOptions()
+        # The optimizer's update ends each training step: a copy of the optimizer over the
+        # copy of the model, so neither of yours changes.
+        self.optimizer: torch.optim.Optimizer | None = None
+        # The model and optimizer as they were before any step (``keep_start``), for
+        # ``Diagnosis.apply`` to optimize: the steps move the copy's parameters.
+        self.start: tuple[nn.Module, torch.optim.Optimizer] | None = None
+        if optimizer is not None:
+            if not training:
+                raise ConfigError("diagnose optimizer= is for training=True: an inference "
+                                  "step updates no parameters")
+            if not self.copied:
+                raise ConfigError("diagnose with optimizer= runs the optimizer's update on a "
+                                  "copy of the model, and this model cannot be copied; "
+                                  "diagnose it without optimizer=")
+            overrides = optimizer_overrides(optimizer, model, self.options)
+            self.optimizer = copy_optimizer(optimizer, model, self.model, **overrides)
+            if keep_start:
+                start = copy.deepcopy(self.model)
+                self.start = start, copy_optimizer(self.optimizer, self.model, start)
+        self.shapes: set[tuple[Any, ...]] = set()  # the input signatures the steps saw
+        self.graph_misses = 0  # steps whose shapes the CUDA graph was not recorded for
+        self._graphed: GraphedStep | None = None
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -139,6 +174,11 @@ class Workload:
             if empty:
                 raise InputError("diagnose's DataLoader yielded no batches")
 
+    @property
+    def static_shapes(self) -> bool:
+        """Whether every step so far had the same input shapes (one signature)."""
+        return len(self.shapes) <= 1
+
     def step(self, batches: Iterator[Any]) -> tuple[float, float, float, float, float]:
         """One step; returns (data, transfer, compute, total, process CPU during compute)."""
         start = time.perf_counter()
@@ -146,22 +186,48 @@ class Workload:
         loaded = time.perf_counter()
         if self.is_loader:
             batch = self._to_device(batch)  # the loss sees the batch where the model runs
-            args, kwargs = self.unpack(batch)
-        else:
-            args, kwargs = self._example
+        inputs = batch if self.is_loader else self._example
+        self.shapes.add(tuple((tuple(t.shape), t.dtype) for t in pytree.tree_leaves(inputs)
+                              if isinstance(t, torch.Tensor)))
         self._sync()
         copied = time.perf_counter()
         cpu_before = _process_seconds()
-        with torch.no_grad() if not self.training else contextlib.nullcontext():
-            out = self.model(*args, **kwargs)
-            if self.training:
-                loss = self.loss_fn(out, batch) if self.loss_fn else _default_loss(out)
-                loss.backward()
-                self.model.zero_grad(set_to_none=True)
+        with torch.no_grad() if not self.training else contextlib.nullcontext(), \
+                backend_settings(self.options):
+            self._compute(inputs)
         self._sync()
         done = time.perf_counter()
         return (loaded - start, copied - loaded, done - copied, done - start,
                 _process_seconds() - cpu_before)
+
+    def _compute(self, inputs: Any) -> None:
+        """The step's work on ``inputs`` (a batch, or the example's ``(args, kwargs)``),
+        replayed as a CUDA graph where the options say so and the shapes were recorded."""
+        if self.options.cuda_graph and self.training and self.device.type == "cuda":
+            if self._graphed is None:
+                self._graphed = GraphedStep(self._run, inputs, self.device, self._zero_grad)
+            if self._graphed.matches(inputs):
+                self._graphed(inputs)  # its gradients live in the graph; none to drop
+                return
+            self.graph_misses += 1
+            self._zero_grad()  # the graph's gradients are not this step's to add to
+        self._run(inputs)
+        if self.training:
+            self._zero_grad()
+
+    def _run(self, inputs: Any) -> None:
+        """Forward; in training also the loss, backward and the optimizer's update."""
+        batch, (args, kwargs) = (inputs, self.unpack(inputs)) if self.is_loader else \
+            (None, inputs)
+        out = self.model(*args, **kwargs)
+        if self.training:
+            loss = self.loss_fn(out, batch) if self.loss_fn else _default_loss(out)
+            loss.backward()
+            if self.optimizer is not None:
+                self.optimizer.step()
+
+    def _zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
 
     def _to_device(self, value: Any) -> Any:
         return pytree.tree_map_only(torch.Tensor,
