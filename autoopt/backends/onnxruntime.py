@@ -45,20 +45,36 @@ class OrtGraph:
         self.input_names = input_names
         leaves, self._spec = objects.flatten(expected)
         self._leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-        self._outputs = list(session.output_names)
+        self._single = self._spec.is_leaf() and self._leaves == [None]  # one tensor
         tensors = sum(isinstance(x, torch.Tensor) for x in leaves)
-        if tensors != len(self._outputs):
-            raise ValueError(f"the ONNX graph has {len(self._outputs)} outputs for the model's "
-                             f"{tensors} output tensors")
+        if tensors != len(session.output_names):
+            raise ValueError(f"the ONNX graph has {len(session.output_names)} outputs for "
+                             f"the model's {tensors} output tensors")
+        # ORT drops inputs the graph does not read: where those it kept sit among the call's
+        # tensors, settled once rather than looked up by name on every call.
+        position = {name: i for i, name in enumerate(input_names)}
+        unknown = [name for name in session.input_names if name not in position]
+        if unknown:
+            raise ValueError(f"the ONNX graph takes inputs {unknown} that the model's "
+                             f"{input_names} do not name")
+        self._fed = [position[name] for name in session.input_names]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        given = flat_tensors(args, kwargs, self.input_names)
-        # ORT drops inputs the graph does not read; feed only those it kept.
-        feeds = {name: given[name].contiguous() for name in self.session.input_names}
-        results = self.session.run(feeds)
-        values = iter(results[name] for name in self._outputs)
+        if not kwargs and len(args) == len(self.input_names) and all(map(_plain_tensor, args)):
+            tensors: Any = args  # the common call: its tensors are its arguments, in order
+        else:
+            tensors = list(flat_tensors(args, kwargs, self.input_names).values())
+        results = self.session.run_ordered([tensors[i].contiguous() for i in self._fed])
+        if self._single:
+            return results[0]
+        values = iter(results)
         leaves = [next(values) if x is None else x for x in self._leaves]
         return pytree.tree_unflatten(leaves, self._spec)
+
+
+def _plain_tensor(value: Any) -> bool:
+    # A subclass (a Parameter, a tensor-like wrapper) takes the general path with pytree.
+    return type(value) is torch.Tensor
 
 
 def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -1,0 +1,161 @@
+"""The ONNX Runtime backend's calls: ``OrtGraph`` feeds the session the call's tensors, in
+the file's order, and returns fresh tensors in the model's output structure.
+
+A call of the optimized module runs its guards first, so an ``OrtGraph`` call takes the inputs
+as the guards matched them: the common call (tensors, positionally) goes straight to the
+session, without a pytree walk or ``OnnxSession.run``'s checks of names and types; anything
+else (keywords, nested inputs, tensor subclasses) takes the general path. No test here times
+anything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import autoopt
+from autoopt.backends import onnxruntime as ort
+from autoopt.errors import InputError
+from autoopt.export.session import OnnxSession
+
+pytestmark = [pytest.mark.filterwarnings("ignore"),
+              pytest.mark.skipif(bool(ort.available()), reason=ort.available() or "")]
+
+
+class Net(nn.Module):
+    """Conv, ReLU, pooling, linear: one tensor out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.pool(torch.relu(self.conv(x))).flatten(1))
+
+
+class TwoOut(nn.Module):
+    """Two tensors out, in a dict; a second input it scales by, a third it never reads (the
+    exported file may keep it, ONNX Runtime drops it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor,
+                unused: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        y = self.fc(x) * scale
+        return {"y": y, "z": torch.tanh(y) + 1.0}
+
+
+@pytest.fixture
+def lowered(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[ort.OrtGraph]:
+    """The ``OrtGraph``s the backend builds, in order; an ONNX cache of this test's own."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built: list[ort.OrtGraph] = []
+    real = ort.lower
+
+    def keep(*args: Any, **kwargs: Any) -> ort.OrtGraph:
+        graph = real(*args, **kwargs)
+        built.append(graph)
+        return graph
+
+    monkeypatch.setattr(ort, "lower", keep)
+    return built
+
+
+def optimized(model: nn.Module, args: tuple[Any, ...],
+              kwargs: dict[str, Any] | None = None) -> autoopt.OptimizedModule:
+    fast = autoopt.optimize(model, args, kwargs, backend="onnxruntime")
+    assert fast.specializations[0].backend == "onnxruntime"
+    return fast
+
+
+@torch.no_grad()
+def test_a_positional_call_goes_straight_to_the_session(
+        lowered: list[ort.OrtGraph], monkeypatch: pytest.MonkeyPatch) -> None:
+    model = Net().eval()
+    x = torch.randn(2, 3, 8, 8)
+    fast = optimized(model, (x,))
+    graph = lowered[-1]
+
+    def checked(*_: Any, **__: Any) -> Any:
+        raise AssertionError("a positional call of plain tensors took the checked path")
+
+    # The module's guards matched the inputs already: no pytree walk, no name and type checks.
+    monkeypatch.setattr(ort, "flat_tensors", checked)
+    monkeypatch.setattr(OnnxSession, "run", checked)
+    y = torch.randn(2, 3, 8, 8)
+    torch.testing.assert_close(graph(y), model(y), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast(y), model(y), rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_outputs_are_fresh_tensors_the_caller_owns(lowered: list[ort.OrtGraph]) -> None:
+    model = TwoOut().eval()
+    args = (torch.randn(3, 8), torch.tensor(2.0), torch.randn(3, 8))
+    fast = optimized(model, args)
+    graph = lowered[-1]
+    for run in (fast, graph):
+        first = run(*args)
+        kept = {k: v.clone() for k, v in first.items()}
+        other = (torch.randn(3, 8), torch.tensor(-1.0), torch.randn(3, 8))
+        second = run(*other)
+        for name in first:  # the second call wrote none of the first call's memory
+            torch.testing.assert_close(first[name], kept[name], rtol=0, atol=0)
+            assert (first[name].untyped_storage().data_ptr()
+                    != second[name].untyped_storage().data_ptr())
+        first["y"].zero_()  # the caller's to write: the next call is unaffected
+        torch.testing.assert_close(run(*args)["y"], kept["y"], rtol=0, atol=0)
+        torch.testing.assert_close(second["z"], model(*other)["z"], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_keywords_subclasses_and_unread_inputs_take_the_general_path(
+        lowered: list[ort.OrtGraph]) -> None:
+    model = TwoOut().eval()
+    x, scale, unused = torch.randn(3, 8), torch.tensor(0.5), torch.randn(3, 8)
+    fast = optimized(model, (x,), {"scale": scale, "unused": unused})
+    graph = lowered[-1]
+    assert len(graph.session.input_names) <= len(graph.input_names) == 3
+    expected = model(x, scale=scale, unused=unused)
+    for result in (graph(x, scale=scale, unused=unused),
+                   graph(nn.Parameter(x), scale=scale, unused=unused),
+                   fast(x, scale=scale, unused=unused)):
+        assert set(result) == {"y", "z"}
+        torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_a_wrong_input_is_an_input_error(lowered: list[ort.OrtGraph]) -> None:
+    model = Net().eval()
+    optimized(model, (torch.randn(2, 3, 8, 8),))
+    with pytest.raises(InputError, match="ONNX Runtime rejected the inputs"):
+        lowered[-1](torch.randn(2, 3, 8, 8, dtype=torch.float64))
+
+
+@torch.no_grad()
+def test_exported_and_cached_sessions_take_plain_ort_settings(
+        lowered: list[ort.OrtGraph], one_thread: None) -> None:
+    """The settings a plain ``InferenceSession`` would run with at torch's thread count, on
+    the session from the export and on the one from the cached graph."""
+    import onnxruntime
+
+    model = Net().eval()
+    x = torch.randn(2, 3, 8, 8)
+    optimized(model, (x,))
+    optimized(model, (x,))  # from the ONNX cache: external initializers, same settings
+    assert len(lowered) == 2
+    for graph in lowered:
+        options = graph.session.session.get_session_options()
+        assert options.intra_op_num_threads == torch.get_num_threads() == 1
+        assert options.graph_optimization_level == \
+            onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+        assert options.execution_mode == onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+        assert options.enable_cpu_mem_arena and options.enable_mem_pattern
+        assert graph.session.providers == ["CPUExecutionProvider"]
