@@ -14,8 +14,9 @@ below: the same models, fewer images and tokens); ``--full`` takes the issue's s
 ``--batch``/``--seq`` set them.
 
 A step is forward, loss (cross-entropy over the logits, in fp32), backward and
-``zero_grad(set_to_none=True)``, with no optimizer update: the same step ``autoopt.diagnose``
-times (and ``Diagnosis.apply()`` measures), and the one ``torch.utils.flop_counter`` counts.
+``zero_grad(set_to_none=True)``, with no optimizer update (but in the ``+ AdamW`` runners):
+the same step ``autoopt.diagnose`` times without ``optimizer=`` (and ``Diagnosis.apply()``
+measures), and the one ``torch.utils.flop_counter`` counts (an update's FLOPs are not counted).
 Runners, interleaved per round, medians over rounds, after two warm-up steps each:
 
 - ``eager fp32``; ``eager autocast bf16`` (``torch.autocast``);
@@ -24,7 +25,12 @@ Runners, interleaved per round, medians over rounds, after two warm-up steps eac
 - ``autoopt fp32``: ``autoopt.optimize(model, ..., training=True)``;
 - ``autoopt bf16``: the same with ``precision="bf16"``;
 - ``autoopt apply``: ``autoopt.diagnose(model, ..., training=True)`` then ``.apply()``: the
-  findings' fixes, kept only where its measured step is faster.
+  findings' fixes, kept only where its measured step is faster;
+- ``eager fp32 + AdamW`` and ``autoopt apply + AdamW``: the step with an optimizer update
+  (``torch.optim.AdamW``, PyTorch's default implementation), eager on a copy of the model, and
+  after ``.apply()`` of ``autoopt.diagnose(..., optimizer=adamw)``, which also tries the
+  whole-step remedies (the update fused; on CUDA TF32, cuDNN benchmark, a CUDA graph of the
+  whole step) and runs the step as it kept them. Their speed-up is over ``eager fp32 + AdamW``.
 
 Columns: step time; MFU (``autoopt.diagnose``'s figure: FLOPs of forward and backward from
 ``torch.utils.flop_counter`` per compute dtype, over the step time, against the cost model's
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import gc
 import os
@@ -71,7 +78,8 @@ from autoopt.memory_profile import (  # noqa: E402
 transformers.logging.set_verbosity_error()
 
 RUNNERS = ("eager fp32", "eager autocast bf16", "compile autocast bf16", "autoopt fp32",
-           "autoopt bf16", "autoopt apply")
+           "autoopt bf16", "autoopt apply", "eager fp32 + AdamW", "autoopt apply + AdamW")
+_ADAMW = " + AdamW"  # runners whose step ends with an AdamW update
 
 
 @dataclass(frozen=True)
@@ -154,16 +162,26 @@ def autocast(device: torch.device, enabled: bool) -> contextlib.AbstractContextM
 
 
 def step_of(model: nn.Module, args: tuple[torch.Tensor, ...], target: torch.Tensor,
-            device: torch.device, low: bool = False) -> Callable[[], None]:
+            device: torch.device, low: bool = False,
+            optimizer: torch.optim.Optimizer | None = None) -> Callable[[], None]:
     """One training step of ``model``: forward (under autocast when ``low``), loss,
-    backward, gradients dropped; returns once the device has finished."""
+    backward, the ``optimizer``'s update if any, gradients dropped; returns once the device
+    has finished."""
     def step() -> None:
         with autocast(device, low):
             out = model(*args)
         loss_of(out, target).backward()
+        if optimizer is not None:
+            optimizer.step()
         model.zero_grad(set_to_none=True)
         sync(device)
     return step
+
+
+def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer of the ``+ AdamW`` runners: PyTorch's default implementation (foreach
+    on CUDA, a loop over the parameters on a CPU)."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-5)
 
 
 def peak_memory(step: Callable[[], None], device: torch.device) -> int | None:
@@ -237,8 +255,8 @@ def run_model(name: str, batch: int, seq: int, rounds: int, runners: list[str],
             if row.flops is not None:  # against peaks the step does not beat (MFU <= 100%)
                 row.flops = held_to_peak(dataclasses.replace(row.flops, step_s=row.step_s),
                                          device)
-    eager = rows.get("eager fp32")
     for row in rows.values():
+        eager = rows.get("eager fp32" + (_ADAMW if row.runner.endswith(_ADAMW) else ""))
         if eager is not None and eager.step_s and row.step_s:
             row.speedup = eager.step_s / row.step_s
     return list(rows.values())
@@ -255,8 +273,34 @@ def setup(runner: str, model: nn.Module, args: tuple[torch.Tensor, ...], target:
     if key not in flops:
         say(f"counting FLOPs ({key})")
         flops[key] = count_flops(model, args, target, device, low=low)
+    if runner == "eager fp32" + _ADAMW:
+        mine = copy.deepcopy(model)  # its updates move the copy's weights, not the others'
+        return step_of(mine, args, target, device, optimizer=adamw(mine)), flops[key]
     if runner.startswith("eager"):
         return step_of(model, args, target, device, low), flops[key]
+    if runner == "autoopt apply" + _ADAMW:
+        say(f"diagnose with AdamW, then apply ({apply_steps} steps each)")
+        diagnosis = autoopt.diagnose(model, args, training=True, steps=apply_steps,
+                                     loss_fn=lambda out, _: loss_of(out, target),
+                                     optimizer=adamw(model))
+        result = diagnosis.apply(steps=apply_steps)
+        row.note = f"applied: {', '.join(result.applied)}" + "".join(
+            f"; {n}" for n in result.notes)
+        # The step as apply measured it: the optimized module, its new optimizer, and the
+        # whole-step remedies it kept (a copy of each, as diagnose runs them).
+        workload = Workload(result.optimized, args, None, device, True, None,
+                            lambda out, _: loss_of(out, target), result.optimizer,
+                            result.step_options)
+        workload.model.train()  # as Workload.running() leaves a copy
+        feed = workload.batches()
+
+        def step() -> None:
+            workload.step(feed)  # synchronizes the device
+        counted = flops[key]
+        if any(c.precision is not None and c.precision.low_ops
+               for c in result.optimized.report.captures):
+            counted = count_flops(result.optimized, args, target, device)
+        return step, counted
     if runner == "compile autocast bf16":
         torch._dynamo.reset()
         return step_of(torch.compile(model), args, target, device, low=True), flops[key]
@@ -304,7 +348,9 @@ def table(rows: list[Row], sizes: dict[str, tuple[int, int]], params: dict[str, 
         f"`{command}` — {machine}, {threads} thread(s), torch {torch.__version__}, "
         f"transformers {transformers.__version__}, Python {platform.python_version()}; "
         f"load while it ran: {load}. A step is forward, fp32 cross-entropy, backward and "
-        f"`zero_grad(set_to_none=True)`, no optimizer update; medians of {rounds} interleaved "
+        f"`zero_grad(set_to_none=True)`, no optimizer update (the `+ AdamW` rows: with "
+        f"`torch.optim.AdamW`'s update, their speed-up over `eager fp32 + AdamW`); medians of "
+        f"{rounds} interleaved "
         f"round(s) after two warm-up steps. MFU: forward+backward FLOPs "
         f"(`torch.utils.flop_counter`, per compute dtype, as `autoopt.diagnose`) over the "
         f"step time, against the cost model's measured GEMM peak in that dtype. Peak memory: "
@@ -391,14 +437,16 @@ def main(argv: list[str] | None = None) -> int:
     params: dict[str, int] = {}
     with load_watch() as load:
         for name in models:
-            mine = [r for r in runners if r != "autoopt apply" or name in apply_models]
-            rows += run_model(name, *sizes[name], args.rounds, mine, device,
-                              args.apply_steps, params)
-            if "autoopt apply" not in mine and "autoopt apply" in runners:
-                rows.append(Row(name, "autoopt apply", note=(
-                    "not run (--apply-models): diagnose runs the step before and after, with "
-                    "a profile and a roofline of every node, and optimize once or twice: "
-                    "minutes a model" + (" on this CPU" if device.type == "cpu" else ""))))
+            mine = [r for r in runners if not r.startswith("autoopt apply")
+                    or name in apply_models]
+            done = {row.runner: row for row in run_model(name, *sizes[name], args.rounds,
+                                                           mine, device, args.apply_steps,
+                                                           params)}
+            rows += [done.get(runner) or Row(name, runner, note=(
+                "not run (--apply-models): diagnose runs the step before and after, with a "
+                "profile and a roofline of every node, and optimize once or twice: minutes a "
+                "model" + (" on this CPU" if device.type == "cpu" else "")))
+                for runner in runners if runner in done or runner.startswith("autoopt apply")]
             gc.collect()
             if args.out is not None:  # what is done so far, should the run be stopped
                 args.out.write_text(table(rows, sizes, params, torch.get_num_threads(),

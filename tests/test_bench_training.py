@@ -24,7 +24,8 @@ def test_cpu_table_has_a_row_per_runner(monkeypatch: pytest.MonkeyPatch, tmp_pat
     monkeypatch.setitem(training.CASES, "tiny", training.Case(_tiny_cnn, full=(4, 16),
                                                               cpu=(2, 16), tokens=False))
     out = tmp_path / "training.md"
-    runners = ["eager fp32", "eager autocast bf16", "autoopt fp32", "autoopt apply"]
+    runners = ["eager fp32", "eager autocast bf16", "autoopt fp32", "autoopt apply",
+               "eager fp32 + AdamW", "autoopt apply + AdamW"]
     code = training.main(["--models", "tiny", "--runners", ",".join(runners), "--rounds", "1",
                           "--apply-models", "", "--out", str(out)])
     assert code == 0
@@ -39,9 +40,27 @@ def test_cpu_table_has_a_row_per_runner(monkeypatch: pytest.MonkeyPatch, tmp_pat
         assert cells[3].endswith("(fp32)") or cells[3].endswith("(bf16)")  # MFU, its dtype
         assert cells[5].endswith("×")
     assert rows[0][5] == "1.00×"
-    assert rows[3][2] == "-"  # apply not asked for: a row that says so
+    assert rows[3][2] == "-" and rows[5][2] == "-"  # apply not asked for: rows that say so
     assert "tiny, autoopt apply: not run" in text
+    assert float(rows[4][2]) > 0 and rows[4][5] == "1.00×"  # its own base
     assert "[tiny b2x16] round 1/1" in capsys.readouterr().out  # progress lines
+
+
+def test_apply_with_adamw_runs_the_step_apply_kept(monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path) -> None:
+    monkeypatch.setitem(training.CASES, "tiny", training.Case(_tiny_cnn, full=(4, 16),
+                                                              cpu=(2, 16), tokens=False))
+    out = tmp_path / "training.md"
+    code = training.main(["--models", "tiny", "--runners", "eager fp32 + AdamW,autoopt apply "
+                          "+ AdamW", "--rounds", "1", "--apply-steps", "2", "--out", str(out),
+                          "--apply-models", "tiny"])
+    assert code == 0
+    text = out.read_text()
+    rows = {line.split(" | ")[1]: line.split(" | ") for line in text.splitlines()
+            if line.startswith("| tiny")}
+    assert float(rows["autoopt apply + AdamW"][2]) > 0
+    assert rows["autoopt apply + AdamW"][5].endswith("×")
+    assert "fused optimizer (AdamW(..., fused=True)): step" in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
