@@ -93,6 +93,8 @@ def test_a_positional_call_goes_straight_to_the_session(
     y = torch.randn(2, 3, 8, 8)
     torch.testing.assert_close(graph(y), model(y), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast(y), model(y), rtol=1e-5, atol=1e-5)
+    strided = torch.randn(2, 8, 8, 3).permute(0, 3, 1, 2)  # made contiguous for ORT
+    torch.testing.assert_close(graph(strided), model(strided), rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()

@@ -108,7 +108,7 @@ class OnnxSession:
         try:
             if self._io_binding:
                 return self._run_bound(feeds)
-            arrays = {n: t.detach().cpu().numpy() for n, t in feeds.items()}
+            arrays = {n: _array(t) for n, t in feeds.items()}
             values = self.session.run(self.output_names, arrays)
         except AutoOptError:
             raise
@@ -155,6 +155,15 @@ class OnnxSession:
         self.session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
         return [torch.from_dlpack(v) for v in outputs]
+
+
+def _array(tensor: torch.Tensor) -> Any:
+    """The tensor's memory as a numpy array (a copy only from another device)."""
+    if tensor.requires_grad or not tensor.is_cpu:
+        # Each of these is a dispatched call (detach makes a new tensor): skipped for the
+        # plain CPU tensor of an inference call.
+        tensor = tensor.detach().cpu()
+    return tensor.numpy()
 
 
 def _numpy_dtype(dtype: torch.dtype) -> Any:
