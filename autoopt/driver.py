@@ -250,8 +250,8 @@ def graph_to_keep(gm: GraphModule, backend: str) -> GraphModule:
     """The graph an optimized module keeps for a specialization (export, inspection): ``gm``
     where it runs the calls (``backend`` empty: aten), else the graph the other backend was
     lowered from (``portable``), without the aten lowerings' packed weight copies that no
-    call would read."""
-    return gm if not backend else portable(gm)
+    call would read (``hybrid`` calls them: it keeps ``gm``)."""
+    return gm if backend in ("", "hybrid") else portable(gm)
 
 
 def _first_line(exc: BaseException) -> str:

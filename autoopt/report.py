@@ -38,6 +38,8 @@ class BackendChoice:
             (not installed, failed to lower, differs from eager, not for training).
         cached: the measurement came from the on-disk cache (an earlier ``optimize`` of the
             same graph, shapes, device, thread count and library versions).
+        regions: for a backend that splits the graph between kernel libraries (``hybrid``),
+            how: autoopt's kernel calls and the regions Inductor generates between them.
     """
 
     graph: str
@@ -45,11 +47,14 @@ class BackendChoice:
     seconds: dict[str, float] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     cached: bool = False
+    regions: str = ""
 
     def describe(self) -> str:
         timed = ", ".join(f"{n} {s * 1e3:.3g} ms" for n, s in
                           sorted(self.seconds.items(), key=lambda item: item[1]))
         text = f"backend {self.chosen} for the {self.graph}"
+        if self.regions:
+            text += f" ({self.regions})"
         if timed:
             text += f" (measured{' earlier' if self.cached else ''}: {timed})"
         for name, why in self.skipped.items():

@@ -6,6 +6,8 @@ against eager like a pass, and the fastest correct one runs the calls:
 
 - ``aten``: the graph's own ATen kernels, with autoopt's lowerings (oneDNN convolutions, packed
   linears) and, on a GPU, CUDA graphs;
+- ``hybrid``: TorchInductor generates the regions between autoopt's own kernels (the packed
+  linears and oneDNN convolutions measured fastest per shape), which it calls as opaque ops;
 - ``inductor``: TorchInductor generates fused kernels for the graph from before autoopt's
   lowerings (C++/OpenMP with oneDNN weight prepacking on a CPU, Triton on a GPU), through
   AOTAutograd for a graph with gradients;
@@ -18,7 +20,7 @@ result on disk. Nothing heavy is imported here: ``import autoopt`` stays fast.
 
 from __future__ import annotations
 
-BACKENDS: tuple[str, ...] = ("aten", "inductor", "onnxruntime")
+BACKENDS: tuple[str, ...] = ("aten", "hybrid", "inductor", "onnxruntime")
 # A comma-separated list of backends: the default candidates when the config names none (a
 # CI run or a serving fleet pins them without touching code).
 BACKENDS_VARIABLE = "AUTOOPT_BACKENDS"

@@ -38,12 +38,15 @@ class Lowering:
     ``verified``: the result is already checked against eager (the pass driver's graph).
     ``memory``: about how many bytes building it adds (its copies of the weights, its
     compiler's working set), checked against what optimize may still add.
+    ``regions``: where it runs more than one kernel library, how the graph is split between
+    them (for the report, when it is chosen).
     """
 
     name: str
     build: Callable[[], Callable[..., Any]]
     verified: bool = False
     memory: int = 0
+    regions: Callable[[], str] | None = None
 
 
 def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str, str], *,
@@ -101,7 +104,8 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
                                key=lambda lw: stored[lw.name]):
             run = build(lowering)
             if run is not None:
-                return run, BackendChoice(graph, lowering.name, stored, skipped, cached=True)
+                return run, BackendChoice(graph, lowering.name, stored, skipped, cached=True,
+                                          regions=_regions(lowering))
 
     # One candidate at a time: each is built, verified and timed against the fastest so far,
     # and the slower one is dropped before the next is built, so that no two compilers'
@@ -138,7 +142,12 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
                 if required else "Include 'aten' in backends= to always have a way to run it.")
         raise ConfigError(f"no backend of {tuple(requested)} can execute the {graph} "
                           f"({reasons}). {hint}")
-    return best[1], BackendChoice(graph, best[0], seconds, skipped)
+    chosen = next(lowering for lowering in lowerings if lowering.name == best[0])
+    return best[1], BackendChoice(graph, best[0], seconds, skipped, regions=_regions(chosen))
+
+
+def _regions(lowering: Lowering) -> str:
+    return lowering.regions() if lowering.regions is not None else ""
 
 
 def _first_line(exc: BaseException) -> str:

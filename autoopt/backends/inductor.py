@@ -29,10 +29,15 @@ class InductorGraph:
     weights, so a candidate that lost, or a graph dropped after a weight write, would pin a
     copy of the weights for the life of the process."""
 
-    def __init__(self, compiled: Callable[..., Any]) -> None:
+    def __init__(self, compiled: Callable[..., Any], loaded: list[Any] | None = None) -> None:
         self._compiled = compiled
-        self._loaded: list[Any] = []
+        self._loaded: list[Any] = list(loaded or [])  # compiled already (``compile_fx``)
         weakref.finalize(self, _forget, self._loaded)
+
+    def keep(self, handles: list[int], release: Callable[[list[int]], None]) -> None:
+        """Release ``handles`` (what the generated code looks up: ``hybrid``'s kernels) when
+        this graph is forgotten."""
+        weakref.finalize(self, release, handles)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._loaded:

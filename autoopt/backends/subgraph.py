@@ -47,6 +47,10 @@ def lower_subgraph(optimized: GraphModule, example_inputs: Sequence[Any], inputs
                 lowerings.append(Lowering(name, lambda: _inductor(
                     optimized, example_inputs, dict(config.backend_options.get("inductor", {}))),
                     memory=inductor.memory_estimate(portable(optimized), gradients)))
+        elif name == "hybrid":
+            # Its weights are inputs, not constants, so no weight is packed for autoopt's
+            # kernels: hybrid would be the inductor backend.
+            skipped[name] = "no autoopt kernel in a Dynamo subgraph (its weights are inputs)"
         else:
             skipped[name] = ("a Dynamo subgraph is one piece of a forward whose Python runs "
                              "in between; it is lowered by aten or inductor")

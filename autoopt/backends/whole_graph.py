@@ -24,7 +24,7 @@ from ..driver import portable
 from ..report import BackendChoice
 from ..state import preserved
 from ..verify import VerifyResult, clone_inputs
-from . import inductor
+from . import hybrid, inductor
 from . import onnxruntime as ort
 from .choice import Lowering, choose_backend
 
@@ -80,6 +80,22 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
                     source, dynamic=dynamic, gradients=gradients,
                     settings=dict(config.backend_options.get("inductor", {}))))),
                     memory=inductor.memory_estimate(source, gradients)))
+        elif name == "hybrid":
+            why = inductor.available() or (
+                "inference only (autoopt's kernels are inference lowerings, with no gradient)"
+                if gradients else
+                "memory_budget's plan (recompute, offload) is applied to the aten graph"
+                if memory_plan else
+                "no autoopt kernel in the graph: it would be the inductor backend"
+                if not hybrid.opaque_nodes(gm) else "")
+            if why:
+                skipped[name] = why
+            else:
+                lowerings.append(Lowering(name, lambda: warm(call(hybrid.lower(
+                    gm, None if adapt is not None else clone_inputs(args, kwargs),
+                    dynamic=dynamic,
+                    settings=dict(config.backend_options.get("inductor", {}))))),
+                    regions=lambda: hybrid.regions(gm)))
         elif name == "onnxruntime":
             why = ort.available() or (
                 "inference only (ONNX Runtime computes no gradients)" if gradients else
