@@ -143,16 +143,24 @@ def test_a_wrong_input_is_an_input_error(lowered: list[ort.OrtGraph]) -> None:
 
 @torch.no_grad()
 def test_exported_and_cached_sessions_take_plain_ort_settings(
-        lowered: list[ort.OrtGraph], one_thread: None) -> None:
+        lowered: list[ort.OrtGraph], one_thread: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """The settings a plain ``InferenceSession`` would run with at torch's thread count, on
     the session from the export and on the one from the cached graph."""
     import onnxruntime
 
+    cached: list[OnnxSession] = []
+    real = ort.session_from_bytes
+
+    def from_cache(*args: Any, **kwargs: Any) -> OnnxSession:
+        cached.append(real(*args, **kwargs))
+        return cached[-1]
+
+    monkeypatch.setattr(ort, "session_from_bytes", from_cache)
     model = Net().eval()
     x = torch.randn(2, 3, 8, 8)
     optimized(model, (x,))
     optimized(model, (x,))  # from the ONNX cache: external initializers, same settings
-    assert len(lowered) == 2
+    assert len(lowered) == 2 and [g.session for g in lowered[1:]] == cached
     for graph in lowered:
         options = graph.session.session.get_session_options()
         assert options.intra_op_num_threads == torch.get_num_threads() == 1
