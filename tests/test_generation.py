@@ -162,3 +162,18 @@ def test_other_lengths_share_one_decode_graph() -> None:
         assert torch.equal(got, want), (length, new)
     # One decode graph and one prompt graph (its length symbolic) for every call.
     assert [len(r.captures) for r in fast._generator.reports] == [1, 1]
+
+
+def test_the_decode_graph_says_why_not_onnxruntime() -> None:
+    """The decode step writes the KV cache (its inputs) in place, which an ONNX graph cannot:
+    ONNX Runtime is skipped up front (it was exported, run and rolled back on every decode
+    graph, seconds of setup each), with the reason in the report."""
+    pytest.importorskip("onnxruntime")
+    model = _gpt2()
+    ids = _prompt()
+    fast = autoopt.optimize(model, (ids,), backends=("aten", "onnxruntime"))
+    assert torch.equal(fast.generate(ids, max_new_tokens=3, do_sample=False),
+                       model.generate(ids, max_new_tokens=3, do_sample=False))
+    (choice,) = fast._generator.reports[0].backends
+    assert choice.chosen == "aten"
+    assert "writes its inputs in place" in choice.skipped["onnxruntime"]

@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from ..config import OptimizeConfig
 from ..cost_model import CostModel
 from ..cost_model.estimate import value_spec
+from ..cost_model.isolation import written_placeholders
 from ..driver import portable
 from ..report import BackendChoice
 from ..state import preserved
@@ -103,6 +104,8 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
                 "static shapes" if dynamic else
                 "the graph takes the model's inputs positionally (symbolic_trace); ONNX "
                 "export needs a torch.export graph" if adapt is not None else
+                "the graph writes its inputs in place (a KV cache); an ONNX graph returns "
+                "new values and cannot" if written_placeholders(source) else
                 f"no ONNX Runtime provider for {device.type}" if device.type not in
                 ("cpu", "cuda") else "")
             if why:
