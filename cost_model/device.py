@@ -244,6 +244,25 @@ def cpu_cache_bytes(*, last_level: bool = False) -> int:
     return sizes.get(2, 2 * 2**20)
 
 
+def gemm_flops(a: torch.Tensor, b: torch.Tensor, dev: torch.device) -> float:
+    """FLOP/s of ``a @ b`` (square) from its fastest runs. On a CPU with several threads it is
+    timed on one thread too, keeping the higher figure: while another process holds a core,
+    every multi-threaded GEMM waits for its descheduled thread (two threads of this EPYC with
+    one core busy: 17 GFLOP/s at best, one thread alone 113), so a ceiling measured under
+    load is never below what one core reaches. (``set_num_threads`` sets OpenMP's count for
+    the calling thread: other threads' ops keep theirs.)"""
+    n = a.shape[0]
+    flops = 2 * n**3 / best_seconds(lambda i: torch.mm(a, b), dev)
+    threads = torch.get_num_threads()
+    if dev.type == "cpu" and threads > 1:
+        torch.set_num_threads(1)
+        try:
+            flops = max(flops, 2 * n**3 / best_seconds(lambda i: torch.mm(a, b), dev))
+        finally:
+            torch.set_num_threads(threads)
+    return flops
+
+
 def measure_ceilings(dev: torch.device) -> Ceilings:
     """Measure matmul FLOP/s, copy bandwidth and per-op overhead on ``dev`` (about a second):
     each throughput from its fastest runs (``best_seconds``), the overhead as a median."""
@@ -252,11 +271,10 @@ def measure_ceilings(dev: torch.device) -> Ceilings:
     generator = torch.Generator(dev).manual_seed(0)
     a = torch.randn(n, n, device=dev, generator=generator)
     b = torch.randn(n, n, device=dev, generator=generator)
-    matmul = 2 * n**3 / best_seconds(lambda i: torch.mm(a, b), dev)
+    matmul = gemm_flops(a, b, dev)
     half_dtype = torch.float16 if dev.type == "cuda" else torch.bfloat16
     try:
-        ah, bh = a.to(half_dtype), b.to(half_dtype)
-        half = 2 * n**3 / best_seconds(lambda i: torch.mm(ah, bh), dev)
+        half = gemm_flops(a.to(half_dtype), b.to(half_dtype), dev)
     except RuntimeError:
         half = 0.0
     numel = (256 if dev.type == "cuda" else 32) * 2**20 // 4

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from .cache import CostCache, library_versions
-from .device import MEASURE_METHOD, device_info, raise_ceilings
-from .timing import best_seconds
+from .device import MEASURE_METHOD, device_info, gemm_flops, raise_ceilings
 
 
 def matmul_flops(device: str | torch.device, dtype: torch.dtype,
@@ -38,7 +37,7 @@ def matmul_flops(device: str | torch.device, dtype: torch.dtype,
         generator = torch.Generator(dev).manual_seed(0)  # the global RNG stays the user's
         a = torch.randn(n, n, device=dev, generator=generator).to(dtype)
         b = torch.randn(n, n, device=dev, generator=generator).to(dtype)
-        flops = 2 * n**3 / best_seconds(lambda i: torch.mm(a, b), dev)
+        flops = gemm_flops(a, b, dev)
     except RuntimeError:  # no kernel for this dtype on this device
         flops = 0.0
     if current:

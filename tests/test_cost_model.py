@@ -50,8 +50,10 @@ def test_a_ceiling_measured_too_low_is_measured_again_and_only_goes_up(tmp_path:
     from autoopt.cost_model.dtype_speed import matmul_flops, raise_matmul_flops
 
     path = tmp_path / "c.json"
+    threads = torch.get_num_threads()
     measured = device_info("cpu", cache=CostCache(path)).ceilings
     assert measured is not None
+    assert torch.get_num_threads() == threads  # the one-thread GEMM floor puts it back
     key = next(k for k, _ in CostCache(path).items() if k.startswith("ceilings|"))
     # A figure cached by the old measurement (median of five runs, no "method"), taken on a
     # loaded machine: 1 kFLOP/s. It is measured again, not believed.
