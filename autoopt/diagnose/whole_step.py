@@ -151,18 +151,34 @@ def backend_settings(options: StepOptions) -> Iterator[None]:
     if not (options.tf32 or options.cudnn_benchmark):
         yield
         return
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-             torch.backends.cudnn.benchmark)
+    places = [(torch.backends.cudnn, "benchmark", True)] if options.cudnn_benchmark else []
+    if options.tf32:
+        places += _tf32_places()
+    saved = [(holder, name, getattr(holder, name)) for holder, name, _ in places]
     try:
-        if options.tf32:
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-        if options.cudnn_benchmark:
-            torch.backends.cudnn.benchmark = True
+        for holder, name, value in places:
+            setattr(holder, name, value)
         yield
     finally:
-        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-         torch.backends.cudnn.benchmark) = saved
+        for holder, name, value in reversed(saved):
+            setattr(holder, name, value)
+
+
+def _tf32_places() -> list[tuple[Any, str, Any]]:
+    """Where TF32 is switched on for fp32 matmuls and convolutions, and the value that does:
+    ``fp32_precision = "tf32"`` where this torch has it (set through the legacy
+    ``allow_tf32`` and put back through the new API, torch refuses to read either flag
+    after), else ``allow_tf32 = True``."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    conv = getattr(cudnn, "conv", None)
+    if hasattr(matmul, "fp32_precision") and conv is not None and \
+            hasattr(conv, "fp32_precision"):
+        return [(matmul, "fp32_precision", "tf32"), (conv, "fp32_precision", "tf32")]
+    return [(matmul, "allow_tf32", True), (cudnn, "allow_tf32", True)]
+
+
+def _tf32_on() -> bool:
+    return all(getattr(holder, name) == value for holder, name, value in _tf32_places())
 
 
 def settings_off(device: torch.device) -> list[str]:
@@ -170,7 +186,7 @@ def settings_off(device: torch.device) -> list[str]:
     if device.type != "cuda":
         return []
     off = []
-    if not torch.backends.cuda.matmul.allow_tf32 or not torch.backends.cudnn.allow_tf32:
+    if not _tf32_on():
         off.append("tf32")
     if not torch.backends.cudnn.benchmark:
         off.append("cudnn_benchmark")
