@@ -270,9 +270,10 @@ class Diagnosis:
         elif not fp32:
             notes.append("TF32: not tried: the step runs no fp32 matmul or convolution")
         else:
-            candidates.append(("TF32", {"tf32": True}, "torch.backends.cuda.matmul.allow_tf32 "
-                               "= torch.backends.cudnn.allow_tf32 = True, process-wide; "
-                               "set for the diagnosis's steps only"))
+            candidates.append(("TF32", {"tf32": True}, "torch.backends.cuda.matmul."
+                               "fp32_precision = torch.backends.cudnn.conv.fp32_precision = "
+                               "'tf32' (older torch: allow_tf32 = True), process-wide; set "
+                               "for the diagnosis's steps only"))
         if "cudnn_benchmark" not in off:
             notes.append("cuDNN benchmark: not tried: on already in this process")
         elif not w.static_shapes:

@@ -7,7 +7,8 @@ is faster, and reports it either way.
   Python loop of small ops per parameter. It runs on a copy of your optimizer (same class,
   hyperparameters and state, over the optimized module's parameters); yours is never changed.
 - ``tf32`` (CUDA, an fp32 step): fp32 matmuls and convolutions on TF32 tensor cores
-  (``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``).
+  (``torch.backends.cuda.matmul.fp32_precision`` and ``torch.backends.cudnn.conv``'s set to
+  ``"tf32"``; ``allow_tf32`` on a torch without them).
 - ``cudnn_benchmark`` (CUDA, static shapes): cuDNN times its convolution algorithms for each
   shape and keeps the fastest (``torch.backends.cudnn.benchmark``).
 - ``cuda_graph`` (CUDA, training, static shapes): the whole step — forward, loss, backward and
