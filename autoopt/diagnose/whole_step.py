@@ -66,11 +66,12 @@ def eager(model: nn.Module) -> nn.Module:
 
 
 def copy_optimizer(optimizer: torch.optim.Optimizer, source: nn.Module, target: nn.Module,
-                   **overrides: Any) -> torch.optim.Optimizer:
+                   *, state: bool = True, **overrides: Any) -> torch.optim.Optimizer:
     """A new optimizer of ``optimizer``'s class over ``target``'s parameters: the same param
-    groups and hyperparameters, a deep copy of its state, and ``overrides`` (``fused=True``)
-    in every group. ``optimizer``'s parameters are ``source``'s; ``target`` is a copy of it
-    (parameters matched by name). ``optimizer`` itself is not changed.
+    groups and hyperparameters, a deep copy of its state (unless ``state=False``), and
+    ``overrides`` (``fused=True``) in every group. ``optimizer``'s parameters are ``source``'s;
+    ``target`` is a copy of it (parameters matched by name). ``optimizer`` itself is not
+    changed.
 
     Raises:
         ConfigError: the optimizer holds a tensor that is not a parameter of ``source``.
@@ -93,10 +94,11 @@ def copy_optimizer(optimizer: torch.optim.Optimizer, source: nn.Module, target: 
     if unknown:
         raise TypeError(f"{type(optimizer).__name__} takes no {unknown}")
     new = type(optimizer)(groups, **overrides)
-    state = copy.deepcopy(optimizer.state_dict())  # tensors of its own: yours never move
-    for group in state["param_groups"]:
-        group.update(overrides)  # so loading puts the state where the overrides want it
-    new.load_state_dict(state)
+    if state:
+        saved = copy.deepcopy(optimizer.state_dict())  # tensors of its own: yours never move
+        for group in saved["param_groups"]:
+            group.update(overrides)  # so loading puts the state where the overrides want it
+        new.load_state_dict(saved)
     new.defaults.update({**optimizer.defaults, **overrides})
     return new
 
@@ -124,7 +126,7 @@ def fused_overrides(optimizer: torch.optim.Optimizer, model: nn.Module,
             tried.append(f"{name} runs foreach=True already")
             continue
         try:
-            copy_optimizer(optimizer, model, model, **overrides)
+            copy_optimizer(optimizer, model, model, state=False, **overrides)  # a probe
         except (RuntimeError, TypeError, ValueError) as exc:
             tried.append(f"{'fused' if 'fused' in overrides else 'foreach'}: "
                          f"{str(exc).splitlines()[0][:120]}")
