@@ -146,6 +146,8 @@ def test_apply_tries_the_fused_optimizer_and_reports_it() -> None:
     x = torch.randn(16, 32)
     d = autoopt.diagnose(model, (x,), training=True, steps=3, roofline=False,
                          loss_fn=_loss, optimizer=optimizer)
+    assert "the optimizer's update is not fused (AdamW without fused=True): apply() tries it" \
+        in d.notes, d.notes
     result = d.apply(steps=3)
     line = next(n for n in result.notes if n.startswith("fused optimizer"))
     match = re.fullmatch(r"fused optimizer \(AdamW\(\.\.\., fused=True\)\): step ([\d.]+) ms "

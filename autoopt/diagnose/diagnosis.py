@@ -444,7 +444,26 @@ def diagnose(model: nn.Module, data: Any, example_kwargs: Mapping[str, Any] | No
     diagnosis.flops = flops
     if flops is not None:
         diagnosis.notes.extend(flops.notes)
+    diagnosis.notes.extend(_whole_step_notes(workload))
     return diagnosis
+
+
+def _whole_step_notes(w: Workload) -> list[str]:
+    """What of the whole step runs slower than it could: the optimizer's update unfused, the
+    ``torch.backends`` settings off (those the step's own options did not set)."""
+    notes = []
+    if w.optimizer is not None:
+        overrides, what = fused_overrides(w.optimizer, w.model)
+        if overrides:
+            notes.append(f"the optimizer's update is not fused ({type(w.optimizer).__name__} "
+                         f"without {what}=True): apply() tries it")
+    names = {"tf32": "TF32 for fp32 matmuls and convolutions",
+             "cudnn_benchmark": "cuDNN benchmark"}
+    off = [names[o] for o in settings_off(w.device)
+           if w.training and not getattr(w.options, o)]
+    if off:
+        notes.append(f"off in this process: {', '.join(off)}; apply() tries each")
+    return notes
 
 
 def _attribute(w: Workload, timings: list[tuple[float, float, float, float]],
