@@ -12,7 +12,7 @@ import functools
 import logging
 import statistics
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -281,7 +281,8 @@ class CostModel:
     def fastest(self, what: str, candidates: dict[str, Any], repeats: int = 3,
                 state: Sequence[Any] = (), *, grad: bool = False,
                 budget_s: float | None = None, cache_as: Iterable[str] | None = None,
-                cold: bool = False) -> tuple[str, dict[str, float]]:
+                cold: bool = False, setup: Mapping[str, Callable[[], Any]] | None = None,
+                ) -> tuple[str, dict[str, float]]:
         """Which of several equivalent kernels runs fastest here, and each one's seconds.
 
         ``candidates`` maps a kernel's name to a no-argument callable that runs it on real
@@ -299,7 +300,9 @@ class CostModel:
         cache, come from memory on every call), which kernel is fastest can differ (a
         matrix-vector product: a kernel that streams memory well against one that computes
         well from cache). ``what`` names the regime too, so that a choice is not read back for
-        the other one.
+        the other one. ``setup[name]``, untimed before each run of that candidate, puts back
+        what a run changes that the next one reads (inputs it writes: a decode step's cache
+        positions, which would otherwise advance run after run past the cache's end).
         """
         names = list(cache_as) if cache_as is not None else list(candidates)
         stored = self.recorded(what, names)
@@ -309,14 +312,19 @@ class CostModel:
             samples: dict[str, list[float]] = {name: [] for name in candidates}
             mode = torch.enable_grad() if grad else torch.no_grad()
             with mode, preserved(*state):
-                for fn in candidates.values():  # warm-up: first calls allocate and pack
+                for name, fn in candidates.items():  # warm-up: first calls allocate, pack
+                    if setup and name in setup:
+                        setup[name]()
                     fn()
                 spent = 0.0
                 for round_ in range(repeats):
                     for name, fn in candidates.items():
+                        evict = functools.partial(self.evict_cache, cold)
+                        reset = (setup or {}).get(name)
                         samples[name].append(median_seconds(
                             lambda i, fn=fn: fn(), self.device, warmup=0, repeats=1,
-                            before=functools.partial(self.evict_cache, cold)))
+                            before=evict if reset is None else
+                            lambda evict=evict, reset=reset: (reset(), evict())))
                     spent += sum(s[-1] for s in samples.values())
                     if budget_s is not None and spent > budget_s and round_ >= 2:
                         break

@@ -62,7 +62,8 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
         skipped: candidates that do not apply here, with why (they join the record).
         verify: compares a built candidate with eager; None trusts it.
         timer: a no-argument callable that runs one built candidate once on real inputs
-            (with its backward for a graph with gradients).
+            (with its backward for a graph with gradients); where runs write their inputs, it
+            has a ``reset()`` that puts them back, called untimed before each run.
         cost_model: what measures, and caches what it measured.
         what: the graph's identity, for the cache key.
         required: the user named this one backend: a failure raises instead of falling back.
@@ -122,9 +123,11 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
             continue
         log.info("backend: measuring %s against %s on the %s", lowering.name, best[0], graph)
         try:
+            timed = {best[0]: timer(best[1]), lowering.name: timer(run)}
             winner, pair = cost_model.fastest(
-                what, {best[0]: timer(best[1]), lowering.name: timer(run)}, repeats=_ROUNDS,
-                state=state, grad=gradients, budget_s=_BUDGET_S, cache_as=requested)
+                what, timed, repeats=_ROUNDS, state=state, grad=gradients,
+                budget_s=_BUDGET_S, cache_as=requested,
+                setup={n: fn.reset for n, fn in timed.items() if hasattr(fn, "reset")})
         except Exception as exc:  # noqa: BLE001 - a verified candidate that fails when timed
             # The preferred candidate still runs (both matched eager); the reason is kept.
             skipped[lowering.name] = (f"not measured: timing the candidates raised "

@@ -114,10 +114,13 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
                 lowerings.append(Lowering(name, lambda: warm(_onnxruntime(
                     source, module, args, kwargs, device)), memory=ort.memory_estimate(source)))
 
+    writes_inputs = bool(written_placeholders(gm))
+
     def timer(run: Callable[..., Any]) -> Callable[[], Any]:
         a, k = clone_inputs(args, kwargs)
         if not gradients:
-            return lambda: run(*a, **k)
+            return _Rerun(lambda: run(*a, **k), (a, k)) if writes_inputs else \
+                lambda: run(*a, **k)
         wrt = [p for p in module.parameters() if p.requires_grad] + [
             x for x in pytree.tree_leaves((a, k))
             if isinstance(x, torch.Tensor) and x.requires_grad]
@@ -135,6 +138,27 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
                           cost_model=cost_model, what=what,
                           required=config.backend is not None, gradients=gradients,
                           state=[module])
+
+
+class _Rerun:
+    """One timed run of a candidate on its own copy of the inputs, and ``reset()``, which
+    puts back what a run wrote into them: a decode step writes its cache and advances the
+    cache's positions, so that run after run would index past the cache's end."""
+
+    def __init__(self, run: Callable[[], Any], inputs: Any) -> None:
+        self._run = run
+        tensors = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor)]
+        self._saved = [(x, x.clone(), x._version) for x in tensors]
+
+    def __call__(self) -> Any:
+        return self._run()
+
+    def reset(self) -> None:
+        for tensor, value, version in self._saved:
+            if tensor._version != version:
+                with torch.no_grad():
+                    tensor.copy_(value)
+        self._saved = [(x, value, x._version) for x, value, _ in self._saved]
 
 
 def _onnxruntime(source: GraphModule, module: nn.Module, args: tuple[Any, ...],
