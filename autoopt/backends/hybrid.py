@@ -41,9 +41,9 @@ from . import inductor
 
 aten = torch.ops.aten
 
-# handle -> (kernel, how to call it: its arguments with each tensor argument an index into
-# the op's tensor list, what it returns where the graph's sizes are static)
-_KERNELS: dict[int, tuple[Callable[..., Any], Any, tuple[Any, ...] | None]] = {}
+# handle -> (kernel, its arguments with each tensor an index into the op's tensor list, what
+# it returns where the graph's sizes are static)
+_KERNELS: dict[int, tuple[Callable[..., Any], _Arguments, tuple[Any, ...] | None]] = {}
 _HANDLES = itertools.count()
 _DEFINE = threading.Lock()
 _OP: Any = None
@@ -156,31 +156,61 @@ def _opaque_to_op(gm: GraphModule) -> list[int]:
     return handles
 
 
-def _template(gm: GraphModule, node: Node) -> tuple[list[Node], Any]:
+def _template(gm: GraphModule, node: Node) -> tuple[list[Node], _Arguments]:
     """The tensors a call reads, and its arguments with each of them an index into that
     list, opaque constants bound by value."""
     tensors: list[Node] = []
-    bound: dict[str, Any] = {}
 
     def slot(a: Any) -> Any:
         if not isinstance(a, Node):
             return a
         if _opaque_constant(gm, a):  # bound into the call, not an input Inductor sees
-            key = f"_{len(bound)}"
-            bound[key] = _fetch(gm, a.target)
-            return _Bound(key)
+            return _fetch(gm, a.target)
         tensors.append(a)
         return _Slot(len(tensors) - 1)
 
-    return tensors, (torch.fx.node.map_aggregate((node.args, node.kwargs), slot), bound)
+    args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), slot)
+    return tensors, _Arguments(tuple(args), dict(kwargs))
 
 
 class _Slot(int):
     """An index into the op's tensor list, in a call's argument template."""
 
 
-class _Bound(str):
-    """The name of a constant bound into the call (an opaque packed weight)."""
+class _Arguments:
+    """A call's arguments with its tensors taken out; ``fill(tensors)`` puts them back (a
+    few list assignments where the arguments are flat, as a linear's are: this runs on every
+    call, 33 times a decode step)."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.args, self.kwargs = args, kwargs
+        self.flat = not any(isinstance(a, tuple | list | dict)
+                            for a in (*args, *kwargs.values()))
+        self.slots = [(i, a) for i, a in enumerate(args) if type(a) is _Slot]
+        self.keyword_slots = [(k, a) for k, a in kwargs.items() if type(a) is _Slot]
+
+    def fill(self, tensors: list[torch.Tensor | None]) -> tuple[list[Any], dict[str, Any]]:
+        if not self.flat:
+            return _filled(self.args, tensors), _filled(self.kwargs, tensors)
+        args = list(self.args)
+        for i, index in self.slots:
+            args[i] = tensors[index]
+        if not self.keyword_slots:
+            return args, self.kwargs
+        kwargs = dict(self.kwargs)
+        for key, index in self.keyword_slots:
+            kwargs[key] = tensors[index]
+        return args, kwargs
+
+
+def _filled(value: Any, tensors: list[torch.Tensor | None]) -> Any:
+    if type(value) is _Slot:
+        return tensors[value]
+    if isinstance(value, tuple | list):
+        return type(value)(_filled(x, tensors) for x in value)
+    if isinstance(value, dict):
+        return {k: _filled(v, tensors) for k, v in value.items()}
+    return value
 
 
 def _static_result(node: Node) -> tuple[Any, ...] | None:
@@ -203,20 +233,8 @@ def _fake(tensors: list[torch.Tensor | None], handle: int) -> Any:
 
 
 def _call(tensors: list[torch.Tensor | None], handle: int) -> Any:
-    target, (template, bound), _ = _KERNELS[handle]
-
-    def fill(a: Any) -> Any:
-        if type(a) is _Slot:
-            return tensors[a]
-        if type(a) is _Bound:
-            return bound[a]
-        if isinstance(a, tuple | list):
-            return type(a)(fill(x) for x in a)
-        if isinstance(a, dict):
-            return {k: fill(v) for k, v in a.items()}
-        return a
-
-    args, kwargs = fill(template)
+    target, arguments, _ = _KERNELS[handle]
+    args, kwargs = arguments.fill(tensors)
     return target(*args, **kwargs)
 
 
