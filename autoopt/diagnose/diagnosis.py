@@ -208,6 +208,7 @@ class Diagnosis:
             return diagnose(fast, source, training=self.training, steps=steps or self.steps,
                             device=w.device, unpack=w.unpack, loss_fn=w.loss_fn,
                             interval_s=self.utilization.interval_s, progress=progress,
+                            roofline=self.cost is not None,  # as before: roofline=False holds
                             optimizer=self._optimizer_for(fast), step_options=options)
         finally:
             if use_prefetch:
