@@ -106,7 +106,9 @@ def copy_optimizer(optimizer: torch.optim.Optimizer, source: nn.Module, target: 
 def fused_overrides(optimizer: torch.optim.Optimizer, model: nn.Module,
                     ) -> tuple[dict[str, Any], str]:
     """The overrides that fuse ``optimizer``'s update here, and what they are called:
-    ``({"fused": True}, "fused")``, ``({"foreach": True}, "foreach")``, or ``({}, why not)``."""
+    ``({"fused": True, "foreach": False}, "fused")``, ``({"foreach": True}, "foreach")`` (a
+    class without fused kernels, or whose fused kernels refuse these parameters), or
+    ``({}, why not)``."""
     name = type(optimizer).__name__
     if not isinstance(optimizer, torch.optim.Optimizer):
         return {}, f"{name} is not a torch.optim optimizer"
