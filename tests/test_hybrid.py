@@ -198,3 +198,28 @@ def test_candidates_that_write_their_inputs_are_timed_from_the_same_start() -> N
         torch.testing.assert_close(fast(*args), model(*expected))
     for a, b in zip(args, expected, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_calls_from_threads_compute_each_callers_result() -> None:
+    """The generated code and the kernels' handle table are shared by every thread."""
+    import threading
+
+    model = Block().eval()
+    fast = autoopt.optimize(model, (torch.randn(2, 8, 32),), backend="hybrid",
+                            pass_options=ONEDNN)
+    inputs = [torch.randn(2, 8, 32) for _ in range(4)]
+    results: dict[int, torch.Tensor] = {}
+
+    def call(i: int) -> None:
+        with torch.no_grad():
+            for _ in range(20):
+                results[i] = fast(inputs[i])
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with torch.no_grad():
+        for i, x in enumerate(inputs):
+            torch.testing.assert_close(results[i], model(x), rtol=1e-5, atol=1e-5)
