@@ -43,14 +43,15 @@ class OptimizeConfig:
             ``selective``, ``recompute``); default: all on a GPU, all but offload on a CPU.
         cuda_graphs: on a CUDA device, replay each static-shape inference graph as one CUDA
             graph (one launch per call instead of one per kernel); checked against eager too.
-        backend: the one backend to execute every optimized graph (``aten``, ``inductor`` or
-            ``onnxruntime``); where it cannot (not installed, fails, differs from eager),
+        backend: the one backend to execute every optimized graph (``aten``, ``hybrid``,
+            ``inductor`` or ``onnxruntime``); where it cannot (not installed, fails, differs from eager),
             optimize raises. None: the fastest of ``backends``, measured.
         backends: the backends to measure and choose from per graph; one that cannot lower
             a graph is skipped with its reason in the report. None: all of ``BACKENDS``, or
             those the ``AUTOOPT_BACKENDS`` environment variable lists (comma-separated).
         backend_options: per-backend settings; today ``{"inductor": {"mode":
-            "max-autotune", "options": {...}}}`` (torch.compile's mode, Inductor's config).
+            "max-autotune", "options": {...}}}`` (torch.compile's mode, Inductor's config;
+            ``hybrid`` compiles with them too).
         optimize_memory: the memory optimize itself may add while it captures an input
             signature, beyond what the process holds when it starts (bytes, a fraction of the
             memory free then in (0, 1], or a string like ``"4GiB"``); None: what is free. A
