@@ -44,8 +44,8 @@ class OptimizeConfig:
         cuda_graphs: on a CUDA device, replay each static-shape inference graph as one CUDA
             graph (one launch per call instead of one per kernel); checked against eager too.
         backend: the one backend to execute every optimized graph (``aten``, ``hybrid``,
-            ``inductor`` or ``onnxruntime``); where it cannot (not installed, fails, differs from eager),
-            optimize raises. None: the fastest of ``backends``, measured.
+            ``inductor`` or ``onnxruntime``); where it cannot (not installed, fails, differs
+            from eager), optimize raises. None: the fastest of ``backends``, measured.
         backends: the backends to measure and choose from per graph; one that cannot lower
             a graph is skipped with its reason in the report. None: all of ``BACKENDS``, or
             those the ``AUTOOPT_BACKENDS`` environment variable lists (comma-separated).

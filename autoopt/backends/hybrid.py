@@ -16,16 +16,19 @@ Measured on an AMD EPYC at 1 thread, a Llama-style ~100M decoder's decode step: 
 against 14.4 (aten) and 24.6 (inductor).
 
 The opaque op is a plain ``torch.library`` op with a Python kernel (2.8 µs a call;
-``torch.library.custom_op`` costs 55 µs) that looks the kernel object up by an integer
-handle. Its shape function returns what the graph recorded for the call where sizes are
-static, else runs the object on fake tensors (autoopt's kernels support them). Handles are
-released when the compiled graph is. Inference only: the op has no gradient (autoopt's packed
+``torch.library.custom_op`` costs 55 µs): ``kernel(tensors, index, what)`` calls the
+``index``-th kernel of the graph being run, from a table the graph's wrapper sets for the
+duration of each call (per thread). The generated code thus names no process-bound object, so
+Inductor's on-disk cache serves the next ``optimize`` of the same graph (the compile is most
+of hybrid's setup); ``what`` (the kernel, its weight's shape, what it returns) keeps graphs
+that call different kernels apart in that cache. The op's shape function returns what the
+graph recorded for the call where sizes are static, else runs the kernel on fake tensors
+(autoopt's kernels support them). Inference only: the op has no gradient (autoopt's packed
 kernels are inference lowerings anyway).
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -41,10 +44,10 @@ from . import inductor
 
 aten = torch.ops.aten
 
-# handle -> (kernel, its arguments with each tensor an index into the op's tensor list, what
-# it returns where the graph's sizes are static)
-_KERNELS: dict[int, tuple[Callable[..., Any], _Arguments, tuple[Any, ...] | None]] = {}
-_HANDLES = itertools.count()
+# The kernel table of the graph this thread is running (or compiling): the op's ``index``
+# points into it. Each entry: the kernel, its arguments with each tensor an index into the
+# op's tensor list, what it returns where the graph's sizes are static.
+_RUNNING = threading.local()
 _DEFINE = threading.Lock()
 _OP: Any = None
 
@@ -97,23 +100,23 @@ def lower(gm: GraphModule, example: tuple[tuple[Any, ...], dict[str, Any]] | Non
     call. Weights are not frozen: the graph reads the user's (and autoopt's packed copies).
     """
     graph = copy_graph_module(gm)
-    handles = _opaque_to_op(graph)
+    table = _opaque_to_op(graph)
     options = {"freezing": False, **inductor.config_of(settings, dynamic)}
     if dynamic or example is None:
-        compiled = inductor.InductorGraph(torch.compile(graph, backend="inductor",
-                                                        fullgraph=True, dynamic=dynamic,
-                                                        options=options))
-    else:
-        compiled = _compile_static(graph, example, options)
-    compiled.keep(handles, _release)
-    return compiled
+        return inductor.InductorGraph(_with_table(table, torch.compile(
+            graph, backend="inductor", fullgraph=True, dynamic=dynamic, options=options)))
+    return _compile_static(graph, table, example, options)
 
 
-def _compile_static(graph: GraphModule, example: tuple[tuple[Any, ...], dict[str, Any]],
+def _compile_static(graph: GraphModule, table: list[_Kernel],
+                    example: tuple[tuple[Any, ...], dict[str, Any]],
                     options: dict[str, Any]) -> inductor.InductorGraph:
+    from torch._guards import TracingContext, tracing
     from torch._inductor import config as inductor_config
     from torch._inductor.codecache import PyCodeCache
     from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     info = getattr(graph.graph._codegen, "pytree_info", None)
     if info is not None:  # torch.export's graph takes (args, kwargs): compile the flat one
@@ -122,38 +125,75 @@ def _compile_static(graph: GraphModule, example: tuple[tuple[Any, ...], dict[str
         flat = fx_pytree.tree_flatten_spec(example, info.in_spec)
     else:
         flat = list(example[0])
+    # Fake inputs with a shape environment, as Dynamo hands them over: without one Inductor
+    # bypasses its on-disk cache ("No shape env") and compiles again in every process.
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = [fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor)
+             else x for x in flat]
     before = len(PyCodeCache.modules)
-    with inductor_config.patch(options):
-        inner = compile_fx(graph, flat)
+    with inductor_config.patch(options), tracing(TracingContext(fake_mode)), \
+            _running(table):
+        inner = compile_fx(graph, fakes)
     loaded = PyCodeCache.modules[before:]
     if info is None:
-        return inductor.InductorGraph(inner, loaded)
+        return inductor.InductorGraph(_with_table(table, inner), loaded)
     in_spec, out_spec = info.in_spec, info.out_spec
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        outputs = inner(*fx_pytree.tree_flatten_spec((args, kwargs), in_spec))
+        flat = fx_pytree.tree_flatten_spec((args, kwargs), in_spec)
+        previous = getattr(_RUNNING, "table", None)
+        _RUNNING.table = table
+        try:
+            outputs = inner(*flat)
+        finally:
+            _RUNNING.table = previous
         return pytree.tree_unflatten(outputs, out_spec) if out_spec is not None else outputs
     return inductor.InductorGraph(call, loaded)
 
 
-def _opaque_to_op(gm: GraphModule) -> list[int]:
-    """Each opaque call in ``gm`` replaced by ``autoopt::kernel(tensors, handle)``; the
-    handles taken."""
+class _running:  # noqa: N801 - a context manager used like a function
+    """This thread runs (or compiles) the graph whose kernels are ``table``."""
+
+    def __init__(self, table: list[_Kernel]) -> None:
+        self.table = table
+
+    def __enter__(self) -> None:
+        self.previous = getattr(_RUNNING, "table", None)
+        _RUNNING.table = self.table
+
+    def __exit__(self, *exc: Any) -> None:
+        _RUNNING.table = self.previous
+
+
+def _with_table(table: list[_Kernel], run: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        previous = getattr(_RUNNING, "table", None)
+        _RUNNING.table = table
+        try:
+            return run(*args, **kwargs)
+        finally:
+            _RUNNING.table = previous
+    return call
+
+
+def _opaque_to_op(gm: GraphModule) -> list[_Kernel]:
+    """Each opaque call in ``gm`` replaced by ``autoopt::kernel(tensors, index, what)``; the
+    table of the kernels, in index order."""
     op = _kernel_op()
-    handles = []
+    table: list[_Kernel] = []
     for node in opaque_nodes(gm):
-        tensors, template = _template(gm, node)
-        handle = next(_HANDLES)
-        _KERNELS[handle] = (node.target, template, _static_result(node))
-        handles.append(handle)
+        tensors, arguments = _template(gm, node)
+        result = _static_result(node)
+        what = f"{getattr(node.target, '__qualname__', node.target)}->{result}"
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(op, (tensors, handle))
+            new = gm.graph.call_function(op, (tensors, len(table), what))
+        table.append((node.target, arguments, result))
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    return handles
+    return table
 
 
 def _template(gm: GraphModule, node: Node) -> tuple[list[Node], _Arguments]:
@@ -171,6 +211,9 @@ def _template(gm: GraphModule, node: Node) -> tuple[list[Node], _Arguments]:
 
     args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), slot)
     return tensors, _Arguments(tuple(args), dict(kwargs))
+
+
+_Kernel = tuple[Callable[..., Any], "_Arguments", tuple[Any, ...] | None]
 
 
 class _Slot(int):
@@ -221,19 +264,19 @@ def _static_result(node: Node) -> tuple[Any, ...] | None:
     return tuple(value.shape), value.stride(), value.dtype, value.device
 
 
-def _fake(tensors: list[torch.Tensor | None], handle: int) -> Any:
+def _fake(tensors: list[torch.Tensor | None], index: int, what: str) -> Any:
     """The op's result on fake tensors: as recorded in the graph where its sizes are static
     (a quantized kernel's packed-params object cannot meet fake tensors), else the kernel's
     own shape computation."""
-    result = _KERNELS[handle][2]
+    result = _RUNNING.table[index][2]
     if result is None:
-        return _call(tensors, handle)
+        return _call(tensors, index, what)
     shape, stride, dtype, device = result
     return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
-def _call(tensors: list[torch.Tensor | None], handle: int) -> Any:
-    target, arguments, _ = _KERNELS[handle]
+def _call(tensors: list[torch.Tensor | None], index: int, what: str) -> Any:
+    target, arguments, _ = _RUNNING.table[index]
     args, kwargs = arguments.fill(tensors)
     return target(*args, **kwargs)
 
@@ -243,18 +286,13 @@ def _kernel_op() -> Any:
     with _DEFINE:
         if _OP is None:
             library = torch.library.Library("autoopt", "DEF")
-            library.define("kernel(Tensor?[] tensors, int handle) -> Tensor")
+            library.define("kernel(Tensor?[] tensors, int index, str what) -> Tensor")
             # CompositeExplicitAutograd: the Python kernel is called straight from the
             # dispatcher (and is the op's meaning on every backend)
             library.impl("kernel", _call, "CompositeExplicitAutograd")
             torch.library.register_fake("autoopt::kernel", _fake, lib=library)
             _OP = (library, torch.ops.autoopt.kernel.default)
     return _OP[1]
-
-
-def _release(handles: list[int]) -> None:
-    for handle in handles:
-        _KERNELS.pop(handle, None)
 
 
 def _fetch(gm: GraphModule, target: str) -> Any:

@@ -34,11 +34,6 @@ class InductorGraph:
         self._loaded: list[Any] = list(loaded or [])  # compiled already (``compile_fx``)
         weakref.finalize(self, _forget, self._loaded)
 
-    def keep(self, handles: list[int], release: Callable[[list[int]], None]) -> None:
-        """Release ``handles`` (what the generated code looks up: ``hybrid``'s kernels) when
-        this graph is forgotten."""
-        weakref.finalize(self, release, handles)
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._loaded:
             return self._compiled(*args, **kwargs)
