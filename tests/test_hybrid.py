@@ -224,3 +224,27 @@ def test_calls_from_threads_compute_each_callers_result() -> None:
     with torch.no_grad():
         for i, x in enumerate(inputs):
             torch.testing.assert_close(results[i], model(x), rtol=1e-5, atol=1e-5)
+
+
+class ResidualCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.conv = nn.Conv2d(16, 16, 3, padding=1)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.stem(x)
+        y = torch.relu(self.conv(y) + y)
+        return self.head(torch.nn.functional.hardswish(y).mean((2, 3)))
+
+
+def test_convolutions_answering_in_channels_last_keep_their_layout() -> None:
+    """oneDNN's convolutions return channels-last tensors where the graph recorded
+    contiguous ones; the generated code asserted the recorded layout and failed."""
+    model, x = ResidualCNN().eval(), torch.randn(2, 3, 16, 16)
+    fast = autoopt.optimize(model, (x,), backend="hybrid", pass_options={
+        "onednn_conv": {"measure": False}, **ONEDNN})
+    (choice,) = fast.report.backends
+    assert choice.chosen == "hybrid" and "onednn_conv2d ×2" in choice.regions, choice
+    assert_same_function(model, fast, (x,), {})

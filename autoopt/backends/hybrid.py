@@ -125,6 +125,7 @@ def _compile_static(graph: GraphModule, table: list[_Kernel],
         flat = fx_pytree.tree_flatten_spec(example, info.in_spec)
     else:
         flat = list(example[0])
+    _observe_layouts(graph, table, flat)
     # Fake inputs with a shape environment, as Dynamo hands them over: without one Inductor
     # bypasses its on-disk cache ("No shape env") and compiles again in every process.
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
@@ -149,6 +150,28 @@ def _compile_static(graph: GraphModule, table: list[_Kernel],
             _RUNNING.table = previous
         return pytree.tree_unflatten(outputs, out_spec) if out_spec is not None else outputs
     return inductor.InductorGraph(call, loaded)
+
+
+def _observe_layouts(graph: GraphModule, table: list[_Kernel], flat: list[Any]) -> None:
+    """Each kernel's result as it really is, from one run of the graph on (copies of) the
+    example inputs: the graph's record can name another layout than the kernel returns
+    (oneDNN's convolutions answer in channels-last), and the generated code asserts the
+    layout it was compiled for."""
+    inputs = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in flat]
+    _RUNNING.observed = {}
+    try:
+        with torch.no_grad(), _running(table):
+            graph(*inputs)
+        for index, result in _RUNNING.observed.items():
+            target, arguments, _ = table[index]
+            table[index] = (target, arguments, result)
+    finally:
+        del _RUNNING.observed
+    for node in graph.graph.nodes:  # "what" names the result as observed (the cache's key)
+        if node.op == "call_function" and node.target is _OP[1]:
+            tensors, index, _ = node.args
+            node.args = (tensors, index, _what(table[index]))
+    graph.recompile()
 
 
 class _running:  # noqa: N801 - a context manager used like a function
@@ -183,17 +206,20 @@ def _opaque_to_op(gm: GraphModule) -> list[_Kernel]:
     table: list[_Kernel] = []
     for node in opaque_nodes(gm):
         tensors, arguments = _template(gm, node)
-        result = _static_result(node)
-        what = f"{getattr(node.target, '__qualname__', node.target)}->{result}"
+        table.append((node.target, arguments, _static_result(node)))
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(op, (tensors, len(table), what))
-        table.append((node.target, arguments, result))
+            new = gm.graph.call_function(op, (tensors, len(table) - 1, _what(table[-1])))
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return table
+
+
+def _what(kernel: _Kernel) -> str:
+    target, _, result = kernel
+    return f"{getattr(target, '__qualname__', target)}->{result}"
 
 
 def _template(gm: GraphModule, node: Node) -> tuple[list[Node], _Arguments]:
@@ -278,7 +304,11 @@ def _fake(tensors: list[torch.Tensor | None], index: int, what: str) -> Any:
 def _call(tensors: list[torch.Tensor | None], index: int, what: str) -> Any:
     target, arguments, _ = _RUNNING.table[index]
     args, kwargs = arguments.fill(tensors)
-    return target(*args, **kwargs)
+    result = target(*args, **kwargs)
+    observed = getattr(_RUNNING, "observed", None)
+    if observed is not None and isinstance(result, torch.Tensor):
+        observed[index] = (tuple(result.shape), result.stride(), result.dtype, result.device)
+    return result
 
 
 def _kernel_op() -> Any:
@@ -286,7 +316,11 @@ def _kernel_op() -> Any:
     with _DEFINE:
         if _OP is None:
             library = torch.library.Library("autoopt", "DEF")
-            library.define("kernel(Tensor?[] tensors, int index, str what) -> Tensor")
+            # Exact strides: the tensors reach a kernel laid out as in eager (Inductor would
+            # otherwise pick its own layouts), so that each kernel returns the layout it was
+            # seen to return (a oneDNN convolution's output follows its input's).
+            library.define("kernel(Tensor?[] tensors, int index, str what) -> Tensor",
+                           tags=(torch.Tag.needs_exact_strides,))
             # CompositeExplicitAutograd: the Python kernel is called straight from the
             # dispatcher (and is the op's meaning on every backend)
             library.impl("kernel", _call, "CompositeExplicitAutograd")
