@@ -200,12 +200,19 @@ def table(rows: list[dict[str, Any]], threads: int, command: str, device: str = 
 
 
 def write_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section of docs/benchmarks.md, keeping the others."""
+    """Replace this benchmark's section of docs/benchmarks.md, keeping the others, and the
+    section's ``###`` subsections the new text does not have (a run at one thread count
+    keeps the other's table and the notes written under their own headings)."""
     title = section.splitlines()[0]
     text = path.read_text() if path.exists() else "# Benchmarks\n\n"
     if title in text:
         before, rest = text.split(title, 1)
         after = rest.split("\n## ", 1)
+        kept = [part for part in after[0].split("\n### ")[1:]
+                if f"\n### {part.splitlines()[0]}\n" not in f"\n{section}\n"]
+        if kept:
+            section = section.rstrip("\n") + "\n\n" + "".join(
+                "### " + part.rstrip("\n") + "\n\n" for part in kept)
         text = before + section + ("\n## " + after[1] if len(after) > 1 else "")
     else:
         text = text.rstrip("\n") + "\n\n" + section
