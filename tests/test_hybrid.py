@@ -248,3 +248,25 @@ def test_convolutions_answering_in_channels_last_keep_their_layout() -> None:
     (choice,) = fast.report.backends
     assert choice.chosen == "hybrid" and "onednn_conv2d ×2" in choice.regions, choice
     assert_same_function(model, fast, (x,), {})
+
+
+def test_lowering_a_graph_that_writes_statistics_writes_them_once() -> None:
+    """A train-mode call (under inference_mode: no gradients) captures a graph that updates
+    BatchNorm's statistics. The lowering's own run of the graph (to see the kernels'
+    layouts) wrote them too, so the module's statistics moved twice for one call."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
+    x = torch.randn(2, 3, 6, 6)
+    fast = autoopt.optimize(model, (x,), backends=("hybrid", "aten"),
+                            pass_options={"onednn_conv": {"measure": False}})
+    reference = copy.deepcopy(model)
+    for caller, m in ((fast, fast.module), (reference, reference)):
+        m.train()
+        with torch.inference_mode():
+            caller(x + 1)
+        m.eval()
+    train_graph = fast.report.captures[-1].backends[0]
+    assert "hybrid" not in train_graph.skipped, train_graph.skipped
+    for name, value in reference[1].named_buffers():
+        torch.testing.assert_close(fast.module[1].get_buffer(name), value)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), reference(x))

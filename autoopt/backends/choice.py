@@ -23,6 +23,7 @@ from ..cost_model import CostModel
 from ..errors import ConfigError
 from ..export.onnx_writer import first_line
 from ..report import BackendChoice
+from ..state import preserved
 from ..verify import VerifyResult
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,9 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
         log.info("backend: lowering the %s with %s", graph, lowering.name)
         start = time.perf_counter()
         try:
-            with memory_profile.stage(f"backend {lowering.name}"):
+            # Building may run the graph (a warm-up, a lowering's own look at it): what a run
+            # writes (BatchNorm statistics in train mode) is put back, as after verifying.
+            with memory_profile.stage(f"backend {lowering.name}"), preserved(*state):
                 run = lowering.build()
                 verdict = None if lowering.verified or verify is None else verify(run)
         except Exception as exc:  # noqa: BLE001 - a backend that fails is skipped, not fatal

@@ -40,6 +40,7 @@ from torch.fx.graph import CodeGen
 from torch.utils import _pytree as pytree
 
 from ..driver import copy_graph_module
+from ..state import preserved
 from . import inductor
 
 aten = torch.ops.aten
@@ -160,7 +161,9 @@ def _observe_layouts(graph: GraphModule, table: list[_Kernel], flat: list[Any]) 
     inputs = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in flat]
     _RUNNING.observed = {}
     try:
-        with torch.no_grad(), _running(table):
+        # The run leaves no trace: a train-mode graph writes BatchNorm statistics (the
+        # module's own buffers, which the graph shares), a dropout draws from the RNG.
+        with torch.no_grad(), preserved(graph), _running(table):
             graph(*inputs)
         for index, result in _RUNNING.observed.items():
             target, arguments, _ = table[index]
