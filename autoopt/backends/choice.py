@@ -125,6 +125,7 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
             best = (lowering.name, run)
             continue
         log.info("backend: measuring %s against %s on the %s", lowering.name, best[0], graph)
+        timed: dict[str, Callable[[], Any]] = {}
         try:
             timed = {best[0]: timer(best[1]), lowering.name: timer(run)}
             winner, pair = cost_model.fastest(
@@ -140,7 +141,8 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
             seconds.setdefault(name, value)
         if winner == lowering.name:
             best = (winner, run)
-        del run  # the slower of the two: its weights go before the next candidate is built
+        # The slower of the two (and its timer): its weights go before the next is built.
+        del run, timed
         memory_profile.release_free_memory()
     if best is None:
         reasons = "; ".join(f"{name}: {why}" for name, why in skipped.items())
