@@ -50,5 +50,14 @@ def llama() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
     return transformers.LlamaModel(config).eval(), (token_ids(),), {}
 
 
+def llama_lm(vocab: int = 128) -> nn.Module:
+    """A Llama-style causal LM with grouped-query attention, for ``generate``."""
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64,
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
 REAL_MODELS = {"resnet18": resnet18, "mobilenet_v3_small": mobilenet_v3_small,
                "vit_b_16": vit_b_16, "bert": bert, "gpt2": gpt2, "llama": llama}

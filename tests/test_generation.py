@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 from checks import assert_bit_identical, snapshot
+from model_zoo import llama_lm
 from torch import nn
 
 import autoopt
@@ -27,11 +28,7 @@ def _gpt2() -> nn.Module:
 
 
 def _llama() -> nn.Module:
-    config = transformers.LlamaConfig(vocab_size=_VOCAB, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=64,
-                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    return transformers.LlamaForCausalLM(config).eval()
+    return llama_lm(_VOCAB)
 
 
 MODELS = {"gpt2": _gpt2, "llama": _llama}

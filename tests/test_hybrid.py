@@ -10,7 +10,6 @@ import weakref
 
 import pytest
 import torch
-import transformers
 from torch import nn
 
 import autoopt
@@ -18,6 +17,8 @@ from autoopt.backends import hybrid
 from autoopt.errors import ConfigError
 
 from .checks import assert_same_function
+from .model_zoo import llama_lm
+from .test_backends import Branchy
 
 packed_linear_module = importlib.import_module("autoopt.passes.packed_linear")
 
@@ -107,18 +108,10 @@ def test_a_dropped_module_releases_its_kernels_and_generated_code() -> None:
     assert not ours & {id(m) for m in PyCodeCache.modules}
 
 
-def _llama() -> nn.Module:
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=64,
-                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
 def test_decoding_writes_the_cache_in_place_through_the_generated_code() -> None:
     """The decode step writes the static KV cache (graph inputs) in place; Inductor
     functionalizes the writes and must copy them back, or the next step reads stale keys."""
-    model = _llama()
+    model = llama_lm()
     ids = torch.randint(1, 128, (1, 6))
     fast = autoopt.optimize(model, (ids,), backends=("hybrid", "aten"), pass_options=ONEDNN)
     got = fast.generate(ids, max_new_tokens=8, do_sample=False)
@@ -132,7 +125,7 @@ def test_decoding_writes_the_cache_in_place_through_the_generated_code() -> None
 def test_int8_kernels_with_packed_params_objects_are_kept_opaque() -> None:
     """int8 linears read a packed-params object (no tensor: fake tensors cannot meet it), so
     their result on fake tensors comes from the graph's record."""
-    model = _llama()
+    model = llama_lm()
     ids = torch.randint(1, 128, (1, 6))
     fast = autoopt.optimize(model, (ids,), backends=("hybrid", "aten"), precision="int8")
     got = fast.generate(ids, max_new_tokens=4, do_sample=False)
@@ -142,21 +135,6 @@ def test_int8_kernels_with_packed_params_objects_are_kept_opaque() -> None:
     assert choice.chosen == "hybrid" or "hybrid" in choice.seconds
     if choice.chosen == "hybrid":
         assert "quantized.linear_dynamic ×" in choice.regions
-
-
-
-class Branchy(nn.Module):
-    """Linears with a data-dependent branch between them: two Dynamo subgraphs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.relu(self.a(x))
-        if y.sum() > 0:  # data-dependent: Dynamo breaks the graph here
-            y = y * 2
-        return self.b(y).softmax(-1)
 
 
 def test_dynamo_subgraphs_say_why_not_hybrid() -> None:
