@@ -43,8 +43,6 @@ from ..driver import copy_graph_module
 from ..state import preserved
 from . import inductor
 
-aten = torch.ops.aten
-
 # The kernel table of the graph this thread is running (or compiling): the op's ``index``
 # points into it. Each entry: the kernel, its arguments with each tensor an index into the
 # op's tensor list, what it returns where the graph's sizes are static.
@@ -142,15 +140,9 @@ def _compile_static(graph: GraphModule, table: list[_Kernel],
     in_spec, out_spec = info.in_spec, info.out_spec
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        flat = fx_pytree.tree_flatten_spec((args, kwargs), in_spec)
-        previous = getattr(_RUNNING, "table", None)
-        _RUNNING.table = table
-        try:
-            outputs = inner(*flat)
-        finally:
-            _RUNNING.table = previous
+        outputs = inner(*fx_pytree.tree_flatten_spec((args, kwargs), in_spec))
         return pytree.tree_unflatten(outputs, out_spec) if out_spec is not None else outputs
-    return inductor.InductorGraph(call, loaded)
+    return inductor.InductorGraph(_with_table(table, call), loaded)
 
 
 def _observe_layouts(graph: GraphModule, table: list[_Kernel], flat: list[Any]) -> None:
@@ -193,12 +185,8 @@ class _running:  # noqa: N801 - a context manager used like a function
 
 def _with_table(table: list[_Kernel], run: Callable[..., Any]) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
-        previous = getattr(_RUNNING, "table", None)
-        _RUNNING.table = table
-        try:
+        with _running(table):
             return run(*args, **kwargs)
-        finally:
-            _RUNNING.table = previous
     return call
 
 
