@@ -266,6 +266,7 @@ class Diagnosis:
         off = settings_off(w.device)
         candidates = []
         fp32 = self.flops is None or self.flops.by_dtype.get("float32", 0) > 0
+        varied = f"the input shapes varied ({len(w.shapes)} seen)"
         if "tf32" not in off:
             notes.append("TF32: not tried: on already in this process")
         elif not fp32:
@@ -278,8 +279,7 @@ class Diagnosis:
         if "cudnn_benchmark" not in off:
             notes.append("cuDNN benchmark: not tried: on already in this process")
         elif not w.static_shapes:
-            notes.append(f"cuDNN benchmark: not tried: the input shapes varied "
-                         f"({len(w.shapes)} seen)")
+            notes.append(f"cuDNN benchmark: not tried: {varied}")
         else:
             candidates.append(("cuDNN benchmark", {"cudnn_benchmark": True},
                                "torch.backends.cudnn.benchmark = True, process-wide; set for "
@@ -288,8 +288,7 @@ class Diagnosis:
             notes.append("CUDA graph of the step: not tried: for training steps (optimize "
                          "records inference graphs itself)")
         elif not w.static_shapes:
-            notes.append(f"CUDA graph of the step: not tried: the input shapes varied "
-                         f"({len(w.shapes)} seen)")
+            notes.append(f"CUDA graph of the step: not tried: {varied}")
         else:
             candidates.append(("CUDA graph of the step", {"cuda_graph": True},
                                "forward, loss, backward and the optimizer's update recorded "
