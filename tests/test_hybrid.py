@@ -248,3 +248,18 @@ def test_lowering_a_graph_that_writes_statistics_writes_them_once() -> None:
         torch.testing.assert_close(fast.module[1].get_buffer(name), value)
     with torch.no_grad():
         torch.testing.assert_close(fast(x), reference(x))
+
+
+def test_a_new_shape_and_a_saved_module_run_hybrid_again() -> None:
+    import pickle
+
+    model, x = Block().eval(), torch.randn(2, 8, 32)
+    fast = autoopt.optimize(model, (x,), backend="hybrid", pass_options=ONEDNN)
+    with torch.no_grad():
+        y = torch.randn(3, 5, 32)  # another signature: captured and lowered on its own
+        torch.testing.assert_close(fast(y), model(y), rtol=1e-5, atol=1e-5)
+        assert [s.backend for s in fast.specializations] == ["hybrid", "hybrid"]
+        loaded = pickle.loads(pickle.dumps(fast))  # generated code is this process's
+        assert loaded.specializations == ()
+        torch.testing.assert_close(loaded(x), model(x), rtol=1e-5, atol=1e-5)
+        assert loaded.specializations[0].backend == "hybrid"
