@@ -6,6 +6,16 @@
 The weight is quantized once, per output channel (symmetric int8); the activation is quantized
 per call from its own range, so no calibration data is needed. The quantized kernel computes
 in int8 with int32 accumulation and returns fp32, so the rest of the graph is untouched.
+
+The kernel takes one activation scale for the whole input, so with more than one row (a batch
+of decode steps, a prompt's tokens) the row with the largest values sets the step for all.
+Each row is therefore divided by its own largest magnitude first and multiplied back after
+(the matmul is linear in each row), with the bias added after:
+
+    x ─ m = amax(|x|, -1) ─ linear_dynamic(x / m, pack(int8(W))) · m + b ─ y
+
+Measured with bench/generate.py's models at batch 8 (random weights, 64 greedy tokens): tokens
+equal to fp32 eager's 69% → 83% (Llama-style) and 60% → 92% (GPT-2), no slower.
 """
 
 from __future__ import annotations
@@ -20,6 +30,8 @@ from torch.fx import GraphModule, Interpreter, Node
 
 from . import ops
 from .graph import attr, fresh_name, meta_val
+
+aten = torch.ops.aten
 
 # oneDNN's int8 kernels use VNNI/AMX where the CPU has them (about 2x faster than the x86
 # engine's FBGEMM at BERT-base shapes on Sapphire Rapids); the others are fallbacks.
@@ -86,9 +98,7 @@ def apply_int8(gm: GraphModule, names: Iterable[str], packed: dict[str, Any]) ->
             # weight is a TorchScript object, which GraphModule holds as a plain attribute.
             warnings.simplefilter("ignore", UserWarning)
             weights = gm.graph.get_attr(name)
-            new = gm.graph.call_function(torch.ops.quantized.linear_dynamic.default,
-                                         (_input(node), weights, False))
-        new.meta["val"] = meta_val(node)
+            new = _emit(gm, node, weights)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         replaced += 1
@@ -108,18 +118,69 @@ class Int8Interpreter(Interpreter):
         if n.name not in self.names:
             return super().run_node(n)
         x = self.env[_input(n)]
-        return torch.ops.quantized.linear_dynamic(x, _packed_for(self.module, n, self.packed),
-                                                  False)
+        weights = _packed_for(self.module, n, self.packed)
+        if not _rowwise(n):
+            return torch.ops.quantized.linear_dynamic(x, weights, False)
+        scale = aten.clamp_min(aten.amax(aten.abs(x), [-1], True), _TINY)
+        y = aten.mul(torch.ops.quantized.linear_dynamic(aten.div(x, scale), weights, False),
+                     scale)
+        bias = _bias(n)
+        return y if bias is None else aten.add(y, self.env[bias])
+
+
+# A row of zeros keeps a step of 1 instead of dividing by zero.
+_TINY = 1e-12
+
+
+def _rowwise(node: Node) -> bool:
+    """Whether the input may have more than one row (a symbolic count may)."""
+    x = meta_val(_input(node))
+    rows = 1
+    for size in x.shape[:-1]:
+        rows = rows * size
+    return not (isinstance(rows, int) and rows == 1)
+
+
+def _emit(gm: GraphModule, node: Node, weights: Node) -> Node:
+    """The int8 linear's nodes, before ``node``; the last one gives the result."""
+    graph, x = gm.graph, _input(node)
+    if not _rowwise(node):
+        return _call(graph, torch.ops.quantized.linear_dynamic.default, (x, weights, False),
+                     meta_val(node))
+    x_val = meta_val(x)
+    size = aten.amax.default(aten.abs.default(x_val), [-1], True)
+    magnitude = _call(graph, aten.abs.default, (x,), x_val)
+    largest = _call(graph, aten.amax.default, (magnitude, [-1], True), size)
+    scale = _call(graph, aten.clamp_min.default, (largest, _TINY), size)
+    scaled = _call(graph, aten.div.Tensor, (x, scale), x_val)
+    y = _call(graph, torch.ops.quantized.linear_dynamic.default, (scaled, weights, False),
+              meta_val(node))
+    y = _call(graph, aten.mul.Tensor, (y, scale), meta_val(node))
+    bias = _bias(node)
+    return y if bias is None else _call(graph, aten.add.Tensor, (y, bias), meta_val(node))
+
+
+def _call(graph: Any, target: Any, args: tuple[Any, ...], val: Any) -> Node:
+    new = graph.call_function(target, args)
+    new.meta["val"] = val
+    return new
+
+
+def _bias(node: Node) -> Node | None:
+    operands = _operands(node)
+    assert operands is not None, node.format_node()
+    return operands[2]
 
 
 def _packed_for(gm: Any, node: Node, packed: dict[str, Any]) -> Any:
+    """The int8 weight, with the bias inside unless the rows are scaled (added after)."""
     if node.name not in packed:
         operands = _operands(node)
         assert operands is not None, node.format_node()
         _, weight_node, bias_node, transposed = operands
         weight = attr(gm, weight_node)
         weight = weight.t().contiguous() if transposed else weight
-        bias = attr(gm, bias_node) if bias_node is not None else None
+        bias = attr(gm, bias_node) if bias_node is not None and not _rowwise(node) else None
         packed[node.name] = _pack(weight.detach(), None if bias is None else bias.detach())
     return packed[node.name]
 

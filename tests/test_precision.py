@@ -502,6 +502,24 @@ def test_int8_quantizes_gpt2_s_conv1d_projections() -> None:
     assert_fresh_inputs_within(model, fast, (ids,), kwargs, 5e-2)
 
 
+
+def test_int8_scales_each_row_of_the_input_on_its_own() -> None:
+    """The int8 kernel quantizes its input with one scale; a row of small values next to a row
+    of large ones (a batch of decode steps) would round to zeros. Each row gets its own scale,
+    and a single row keeps the kernel alone."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32, bias=False)).eval()
+    x = torch.randn(2, 64) * torch.tensor([[100.0], [0.01]])
+    fast = autoopt.optimize(model, (x,), precision="int8", tolerance=5e-2)
+    assert fast.report.captures[0].precision.low_ops == 1
+    with torch.no_grad():
+        small, expected = fast(x)[1], model(x)[1]
+    assert (small - expected).abs().max() <= 2e-2 * expected.abs().max()
+    one = autoopt.optimize(model, (x[1:],), precision="int8", tolerance=5e-2)
+    targets = [n.target for n in one.specializations[0].graph.graph.nodes]
+    assert torch.ops.quantized.linear_dynamic.default in targets
+    assert aten.amax.default not in targets
+
 # --- ONNX ------------------------------------------------------------------------------------
 
 
