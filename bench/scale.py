@@ -6,7 +6,9 @@
 
 Models: ``transformers`` ``LlamaForCausalLM`` from a config (random weights, fp32,
 ``use_cache=False``, vocabulary 32000, head size 64, untied embeddings), batch 1 × 128 tokens.
-Sizes (``--sizes``, any of): 50M, 100M, 200M, 500M, 1B. Each size and each runner runs in a
+Sizes (``--sizes``, any of): 50M, 100M, 200M, 500M, 1B; ``NAME@LAYERS`` (``100M@4,100M@16``)
+takes that size's width with another number of layers, so optimize time against depth is seen
+at one width (each added layer repeats the same shapes). Each size and each runner runs in a
 fresh Python process, so one's peak cannot hide in another's: the model is built, called once
 eagerly (no_grad), freed heap is handed back to the system (``malloc_trim``) and the resident
 memory read (``/proc/self/statm``); the process's peak resident memory is then reset
@@ -89,12 +91,24 @@ def _reset_peak() -> None:
         f.write("5")
 
 
+def _shape(size: str) -> tuple[int, int, int]:
+    """(hidden size, layers, MLP width) of ``NAME`` or ``NAME@LAYERS``."""
+    name, _, depth = size.partition("@")
+    hidden, layers, mlp = SIZES[name]
+    return hidden, int(depth) if depth else layers, mlp
+
+
+def _known(size: str) -> bool:
+    name, _, depth = size.partition("@")
+    return name in SIZES and (not depth or (depth.isdigit() and int(depth) > 0))
+
+
 def _model(size: str) -> tuple[Any, Any, int]:
     import torch
     import transformers
 
     transformers.logging.set_verbosity_error()
-    hidden, layers, mlp = SIZES[size]
+    hidden, layers, mlp = _shape(size)
     config = transformers.LlamaConfig(
         vocab_size=32000, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
         num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
@@ -260,6 +274,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, command: str,
         lines += ["", f"Optimize seconds per layer: {min(per_layer):.2f} to "
                       f"{max(per_layer):.2f} (largest over smallest "
                       f"{max(per_layer) / min(per_layer):.2f}×)."]
+    lines += _depth_lines(rows)
     for r in rows:
         for note in r.get("left_out", []):
             lines += ["", f"{r['size']}: left out for memory: {note}"]
@@ -269,6 +284,35 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, command: str,
                           f"(`autoopt.memory_profile`; resident GiB; growth = the stage's peak "
                           f"over its start):", "", "```", r["stages"], "```"]
     return "\n".join(lines) + "\n"
+
+
+def _depth_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """For each width run at three or more depths: the seconds each added layer cost (the
+    slope between consecutive depths). The width's first row measures the kernels of its
+    distinct shapes into the shared cache and the rows after it find them, so slopes are
+    taken from the second row on; what the first row spent beyond the line is said apart."""
+    by_width: dict[int, list[tuple[int, float]]] = {}
+    for r in rows:
+        if r["runner"] == "autoopt" and "failed" not in r:
+            by_width.setdefault(_shape(r["size"])[0], []).append((r["layers"], r["seconds"]))
+    lines = []
+    for width, runs in by_width.items():
+        first, later = runs[0], sorted(dict(runs[1:]).items())
+        pairs = list(zip(later, later[1:], strict=False))
+        if not pairs or any(b[0] <= a[0] for a, b in pairs):
+            continue
+        slopes = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in pairs]
+        fixed = later[0][1] - slopes[0] * later[0][0]
+        measured = first[1] - (fixed + slopes[0] * first[0])
+        steps = ", ".join(f"{a[0]}→{b[0]} layers: {slope:.2f}"
+                          for (a, b), slope in zip(pairs, slopes, strict=True))
+        spread = (f"largest over smallest {max(slopes) / min(slopes):.2f}×"
+                  if min(slopes) > 0 else "not all positive")
+        lines += ["", f"Width {width}, optimize seconds per added layer, its shapes' kernels "
+                      f"already measured ({steps}): {spread}; fixed part about {fixed:.1f} s; "
+                      f"the first row ({first[0]} layers) spent {measured:.1f} s more, "
+                      f"measuring the kernels of the width's distinct shapes once."]
+    return lines
 
 
 def _version(name: str) -> str:
@@ -316,9 +360,10 @@ def main() -> int:
         print(CHILD_MARK + json.dumps(result), flush=True)
         return 0
     sizes = [s for s in args.sizes.split(",") if s]
-    unknown = [s for s in sizes if s not in SIZES]
+    unknown = [s for s in sizes if not _known(s)]
     if unknown:
-        parser.error(f"unknown size(s) {unknown}; known: {list(SIZES)}")
+        parser.error(f"unknown size(s) {unknown}; known: {list(SIZES)}, each optionally "
+                     f"@LAYERS (100M@16)")
     runners = ["autoopt"] + (["torch.compile"] if args.compile else []) \
         + (["onnxruntime"] if args.onnx else [])
     cache = tempfile.mkdtemp(prefix="autoopt-scale-cache-")
