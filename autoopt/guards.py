@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,19 +101,27 @@ def _sorted(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def current_modes(module: nn.Module, submodules: list[nn.Module] | None = None,
-                  parameters: list[torch.Tensor] | None = None) -> tuple[Any, ...]:
+                  parameters: list[torch.Tensor] | None = None,
+                  training: tuple[bool, ...] | None = None) -> tuple[Any, ...]:
     """Grad mode, with gradients on which parameters require them, autocast (a graph
     traced without it computes in fp32, one traced under it has its casts baked in), and
-    every submodule's ``training`` flag. (A graph captured without grad runs as well under
-    ``inference_mode``; one captured with grad keeps parameter gradients.)"""
-    modules = module.modules() if submodules is None else submodules
+    every submodule's ``training`` flag (``training_flags``; pass them where they are known
+    to be current). (A graph captured without grad runs as well under ``inference_mode``;
+    one captured with grad keeps parameter gradients.)"""
+    if training is None:
+        training = training_flags(module.modules() if submodules is None else submodules)
     grad = torch.is_grad_enabled()
     if grad:  # which parameters a gradient reaches: a frozen one may be folded into the graph
         params = module.parameters() if parameters is None else parameters
         wants_grad = tuple(p.requires_grad for p in params)
     else:
         wants_grad = ()
-    return (grad, wants_grad, _autocast(), *map(_TRAINING, modules))
+    return (grad, wants_grad, _autocast(), *training)
+
+
+def training_flags(modules: Iterable[nn.Module]) -> tuple[bool, ...]:
+    """Each module's ``training`` flag, in order."""
+    return tuple(map(_TRAINING, modules))
 
 
 def _autocast() -> tuple[tuple[str, torch.dtype], ...]:

@@ -16,12 +16,21 @@ whether it still holds: each check is a few calls that loop in C over every slot
 tensor (``map`` over getters, one gather for the sampled memory), tens of nanoseconds an item
 where a Python step per table and a ``torch.cat`` of a view per tensor cost ten times that
 (docs/benchmarks.md: mobilenet_v3_large's 312 tensors, before and after).
+
+Slots, attributes and train/eval flags are all values in a few hundred dicts (each module's
+``__dict__``, ``_parameters``, ``_buffers``, ``_modules``; a config's ``__dict__``). After a
+model's run has evicted the caches, walking them costs several times what it does warm (one
+cache miss after another through every dict and tensor object), so ``tags`` reads instead
+each dict's version tag (PEP 509: CPython gives a dict a new, process-wide unique tag on every
+change) in one gather, a cache line per dict; only when a tag moved is the walk needed.
 """
 
 from __future__ import annotations
 
 import itertools
 import operator
+import sys
+import sysconfig
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -51,6 +60,8 @@ def _count_assignment(module: nn.Module, name: str, value: Any) -> None:
 
 torch.nn.modules.module.register_module_parameter_registration_hook(_count_assignment)
 torch.nn.modules.module.register_module_buffer_registration_hook(_count_assignment)
+# A submodule assigned (``model.fc = nn.Linear(...)``) brings tensors no graph holds.
+torch.nn.modules.module.register_module_module_registration_hook(_count_assignment)
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
 _SAMPLES = 8  # elements of each tensor's memory in the fingerprint
@@ -88,9 +99,12 @@ class ModuleWatch:
                     for t in table.values():
                         if t is not None:
                             tensors.setdefault(id(t), t)
+            if m._modules:  # a submodule replaced holds tensors no graph saw
+                tables.append(m._modules)
         # Every slot's value, in order: read again on each call by one ``map`` and compared
         # by identity in C, no Python step per table or tensor.
         self._slots = (tables, list(_values(tables)))
+        self._tag_reader = None  # the dicts to tag are found again on the next ``tags``
         self.assignments = 0
         self._register()
         # Inference tensors have no version counter and cannot be written outside
@@ -108,12 +122,39 @@ class ModuleWatch:
         # rebuilt its modules are not whole yet.
         # The fingerprint reads memory by address: a copy watches its own tensors, and its
         # module captures again anyway (``OptimizedModule.__getstate__``).
-        return {**self.__dict__, "_registered": False, "_fingerprint": None}
+        return {**self.__dict__, "_registered": False, "_fingerprint": None,
+                "_tag_reader": None}
+
+    def tags(self) -> object | None:
+        """A token equal to an earlier one only if no dict that ``replaced``,
+        ``attributes_changed`` and the train/eval flags read changed in between (nor was
+        either snapshot refreshed): then they answer as they did after the earlier token was
+        read. None where this Python keeps no dict version tags.
+
+        Read the token before the checks it stands for: a change made after it was read
+        moves the next token."""
+        if not _TAGS_TRACK_CHANGES:
+            return None
+        reader = self._tag_reader
+        if reader is None:
+            reader = self._tag_reader = _Tags(self._tagged_dicts())
+        return reader, reader.read()
+
+    def _tagged_dicts(self) -> list[dict[str, Any]]:
+        dicts: dict[int, dict[str, Any]] = {}
+        # The slot tables of the snapshot too: those of a module since detached are still
+        # what ``replaced`` compares.
+        for m in self.module.modules():
+            for d in (vars(m), m._parameters, m._buffers, m._modules):
+                dicts.setdefault(id(d), d)
+        for d in itertools.chain(self._slots[0], self._getters[0]):
+            dicts.setdefault(id(d), d)
+        return list(dicts.values())
 
     def replaced(self) -> bool:
         """Whether any parameter or buffer slot now holds another tensor than at the snapshot
         (``assign=True`` loads, attribute assignment, ``functional_call``), or was deleted
-        or added."""
+        or added, or a submodule was replaced, added or deleted."""
         tables, saved = self._slots
         now = list(_values(tables))
         return len(now) != len(saved) or not all(map(operator.is_, now, saved))
@@ -181,6 +222,7 @@ class ModuleWatch:
                                         if not k.startswith("__") and _is_scalar(v)])
             watch(m.__dict__, keys)
         self._getters = (namespaces, getters, list(map(_CALL, getters, namespaces)))
+        self._tag_reader = None
 
     def attributes_changed(self) -> bool:
         """Whether a watched plain value was re-assigned or deleted since the snapshot."""
@@ -197,8 +239,8 @@ class ModuleWatch:
 class _Fingerprint:
     """Version counters, memory addresses and a few sampled elements of some tensors.
 
-    The samples of CPU tensors are read in one gather: a numpy byte array laid over the
-    address range the tensors span, indexed at the sampled bytes' offsets (one C call where
+    The samples of CPU tensors are read in one gather: a numpy array laid over the address
+    range the tensors span, indexed at the sampled elements' offsets (one C call where
     ``torch.cat`` of a view per tensor cost 0.5 µs a tensor). Only addresses inside the
     tensors' storages are read, and only after every tensor's ``data_ptr`` is found where it
     was, so each storage is still the memory it was (the storages are held, so memory that a
@@ -208,10 +250,11 @@ class _Fingerprint:
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.tensors = tensors
-        self.versions = list(map(_VERSION, tensors))
+        self.counters = _counters(tensors)
         self.pointers = _pointers(tensors)
         self.clean = True  # set by the owner: whether every graph matched these values
-        raw: list[tuple[int, list[int]]] = []  # (tensor index, absolute byte addresses)
+        # (tensor index, absolute addresses of the sampled elements, element size)
+        raw: list[tuple[int, list[int], int]] = []
         # Views grouped by device and dtype: one concatenation and comparison per group (on
         # a GPU, one synchronization per group, not per tensor).
         groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
@@ -226,8 +269,7 @@ class _Fingerprint:
             step = max(1, span // count)
             if t.device.type == "cpu" and type(t) in (torch.Tensor, nn.Parameter):
                 size, start = t.element_size(), t.data_ptr()
-                raw.append((i, [start + (k * step) * size + b for k in range(count)
-                                for b in range(size)]))
+                raw.append((i, [start + (k * step) * size for k in range(count)], size))
                 self._storages.append(t.untyped_storage())
             else:
                 groups.setdefault((t.device, t.dtype), []).append((i, torch.as_strided(
@@ -238,9 +280,8 @@ class _Fingerprint:
         self.samples = [_read(group) for group in self._groups]
 
     def holds(self) -> bool:
-        if not self.clean or list(map(_VERSION, self.tensors)) != self.versions:
-            return False
-        if _pointers(self.tensors) != self.pointers:  # before reading any memory
+        # Versions and addresses before reading any memory.
+        if not self.clean or _counters(self.tensors) != self.counters:
             return False
         if self._raw is not None and self._raw.read() != self.raw:
             return False
@@ -264,33 +305,144 @@ class _Fingerprint:
 
 
 class _Gather:
-    """Bytes at absolute addresses, read by one numpy ``take``."""
+    """Elements at absolute addresses, read by one numpy ``take`` per word size and alignment
+    (a word per element: cold, the index of a byte per sample cost as much as the samples)."""
 
-    def __init__(self, where: list[tuple[int, list[int]]]) -> None:
-        addresses = np.fromiter(itertools.chain.from_iterable(a for _, a in where), np.int64)
-        base = int(addresses.min())
-        # A byte array from the lowest sampled address to the highest; numpy touches only
-        # the bytes indexed.
-        self._memory = np.asarray(_Memory(base, int(addresses.max()) - base + 1))
-        self._offsets = addresses - base
-        self._owner = np.repeat([i for i, _ in where], [len(a) for _, a in where])
+    def __init__(self, where: list[tuple[int, list[int], int]]) -> None:
+        words: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+        for owner, addresses, size in where:
+            word = min(size & -size, 8)  # the widest word that tiles the element
+            for address in addresses:
+                for a in range(address, address + size, word):
+                    where_, owners = words.setdefault((word, a % word), ([], []))
+                    where_.append(a)
+                    owners.append(owner)
+        self._parts = [_part(word, a, o) for (word, _), (a, o) in words.items()]
 
     def read(self) -> bytes:
-        return self._memory.take(self._offsets).tobytes()
+        return b"".join([memory.take(index).tobytes() for memory, index, _ in self._parts])
 
     def differing(self, saved: bytes, skip: set[int]) -> set[int]:
-        keep = ~np.isin(self._owner, list(skip)) if skip else slice(None)
-        now = self._memory.take(self._offsets[keep])
-        old = np.frombuffer(saved, np.uint8)[keep]
-        return set(self._owner[keep][now != old].tolist())
+        changed: set[int] = set()
+        start = 0
+        for memory, index, owner in self._parts:
+            end = start + index.size * memory.itemsize
+            keep = ~np.isin(owner, list(skip)) if skip else slice(None)
+            now = memory.take(index[keep])
+            old = np.frombuffer(saved[start:end], memory.dtype)[keep]
+            changed |= set(owner[keep][now != old].tolist())
+            start = end
+        return changed
+
+
+def _part(word: int, addresses: list[int], owners: list[int],
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Words of ``word`` bytes, every address the same modulo ``word``: an array of them from
+    the lowest address to the highest (numpy touches only the words indexed), the indices,
+    and whose each is."""
+    where = np.array(addresses, np.int64)
+    base = int(where.min())
+    typestr = np.dtype(f"u{word}").str
+    memory = np.asarray(_Memory(base, int(where.max() - base) // word + 1, typestr))
+    return memory, (where - base) // word, np.array(owners, np.int64)
 
 
 class _Memory:
-    """Addresses ``base`` to ``base + size`` as numpy's array interface (read only)."""
+    """Addresses ``base`` to ``base + size`` as numpy's array interface (read only), as bytes
+    or as ``size`` items of ``typestr``."""
 
-    def __init__(self, base: int, size: int) -> None:
-        self.__array_interface__ = {"data": (base, True), "shape": (size,), "typestr": "|u1",
+    def __init__(self, base: int, size: int, typestr: str = "|u1") -> None:
+        self.__array_interface__ = {"data": (base, True), "shape": (size,), "typestr": typestr,
                                     "version": 3}
+
+
+# PyDictObject: the object header, ``ma_used``, ``ma_version_tag`` (Include/cpython/dictobject.h).
+_USED_OFFSET = object.__basicsize__
+_TAG_OFFSET = _USED_OFFSET + 8
+_WORD = np.dtype(np.uint64).str
+
+
+class _Tags:
+    """The version tags of some dicts, read by one gather of a word each. The dicts are held,
+    so each address stays that dict's."""
+
+    def __init__(self, dicts: list[dict[str, Any]]) -> None:
+        self._dicts = dicts
+        self._words = _words(id(d) + _TAG_OFFSET for d in dicts)
+
+    def read(self) -> bytes:
+        return self._words().tobytes()
+
+
+def _words(addresses: Iterator[int]) -> Callable[[], np.ndarray]:
+    """A reader of the 8-byte words at these (8-byte aligned) addresses, one numpy ``take``."""
+    where = np.fromiter(addresses, np.int64)
+    base = int(where.min())
+    if np.any((where - base) % 8):
+        raise ValueError("unaligned words")
+    memory = np.asarray(_Memory(base, int(where.max() - base) // 8 + 1, _WORD))
+    index = (where - base) // 8
+    return lambda: memory.take(index)
+
+
+def _tags_track_changes() -> bool:
+    """Whether this Python gives a dict a new version tag on every change the checks must see.
+
+    CPython 3.10 to 3.12 with the GIL: PEP 509 tags, where an object's attribute store, once
+    its ``__dict__`` exists, goes through the dict. (3.13 stores it in the object's inline
+    values, 3.14 dropped the tags: there the checks walk the dicts on every call.) The layout
+    and each kind of change are tried here, so an interpreter that differs is found out."""
+    if (sys.implementation.name != "cpython" or not (3, 10) <= sys.version_info[:2] <= (3, 12)
+            or sysconfig.get_config_var("Py_GIL_DISABLED") or _TAG_OFFSET % 8):
+        return False
+    probe, plain = nn.Linear(2, 2), _Plain()
+    dicts = [vars(probe), probe._parameters, probe._buffers, probe._modules, vars(plain),
+             {}, dict.fromkeys(range(40))]
+    used = _words(id(d) + _USED_OFFSET for d in dicts)()
+    if used.tolist() != [len(d) for d in dicts]:
+        return False
+    tags = _Tags(dicts)
+
+    def moves(change: Callable[[], Any]) -> bool:
+        before = tags.read()
+        change()
+        return tags.read() != before
+
+    parameter = nn.Parameter(torch.zeros(2))
+    changes: list[Callable[[], Any]] = [
+        lambda: setattr(probe, "scale", 0.5), lambda: object.__setattr__(probe, "scale", 2.0),
+        lambda: delattr(probe, "scale"), probe.eval, lambda: setattr(probe, "bias", parameter),
+        lambda: probe._parameters.__setitem__("bias", nn.Parameter(torch.zeros(2))),
+        lambda: probe._parameters.pop("bias"), lambda: probe.register_buffer("b", parameter),
+        lambda: probe._buffers.update(b=torch.ones(1)), probe._buffers.popitem,
+        lambda: probe._buffers.setdefault("c", None), probe._buffers.clear,
+        lambda: probe._modules.__setitem__("sub", nn.ReLU()),
+        lambda: probe._modules.__delitem__("sub"), lambda: dicts[5].__ior__({1: 2}),
+        lambda: delattr(plain, "scale")]
+    return (all(map(moves, changes))
+            and all(_stores_move(tags, target) for target in (probe, plain, probe, plain)))
+
+
+class _Plain:
+    """An object modules read settings from (a config), its ``__dict__`` made by ``vars``."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+
+def _stores_move(tags: _Tags, target: Any) -> bool:
+    """Attribute stores from one line of bytecode, run until the interpreter specializes it."""
+    before = tags.read()
+    for value in range(64):
+        target.scale = value + 0.5
+        now = tags.read()
+        if now == before:
+            return False
+        before = now
+    return True
+
+
+_TAGS_TRACK_CHANGES = _tags_track_changes()
 
 
 def _values(tables: list[dict[str, Any]]) -> Iterator[Any]:
@@ -299,6 +451,14 @@ def _values(tables: list[dict[str, Any]]) -> Iterator[Any]:
 
 def _pointers(tensors: list[torch.Tensor]) -> list[int]:
     return list(map(torch.Tensor.data_ptr, tensors))
+
+
+def _counters(tensors: list[torch.Tensor]) -> bytes:
+    """Every tensor's version counter, then its ``data_ptr``, as one array of words: compared
+    with the saved one in one contiguous read, where a list held a Python int per tensor (each
+    a cache miss once a model's run has evicted them)."""
+    return np.fromiter(itertools.chain(map(_VERSION, tensors), map(torch.Tensor.data_ptr, tensors)),
+                       np.uint64, 2 * len(tensors)).tobytes()
 
 
 def _read(group: list[tuple[int, torch.Tensor]]) -> torch.Tensor:

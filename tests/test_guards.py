@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import pickle
 import threading
+import types
 
 import pytest
 import torch
@@ -400,4 +401,71 @@ def test_a_graph_stale_before_another_capture_is_not_replayed() -> None:
     fast(x)
     fast.module[0].weight.mul_(0.5)  # in place: the first graph's folded copy is old
     fast.specialization_for((torch.randn(2, 8),))
+    torch.testing.assert_close(fast(x), copy.deepcopy(fast.module)(x))
+
+
+class Configured(nn.Module):
+    """A BatchNorm folded into the convolution's copy, a Python attribute and a config object
+    the graph bakes in, submodules in a Sequential."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Sequential(nn.ReLU(), nn.Conv2d(4, 2, 1))
+        self.config = types.SimpleNamespace(scale=2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bn(self.conv(x))) * self.config.scale
+
+
+def _fresh(like: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(torch.randn_like(like))
+
+
+EDITS = {
+    "parameter assigned": lambda m: setattr(m.conv, "weight", _fresh(m.conv.weight)),
+    "slot swapped in": lambda m: m.conv._parameters.__setitem__("weight", _fresh(m.conv.weight)),
+    "submodule replaced": lambda m: m.head.__setitem__(1, nn.Conv2d(4, 2, 1)),
+    "attribute": lambda m: setattr(m.bn, "eps", float(torch.rand(()))),
+    "attribute through __dict__": lambda m: m.bn.__dict__.__setitem__("eps",
+                                                                      float(torch.rand(()))),
+    "config attribute": lambda m: setattr(m.config, "scale", float(torch.rand(()))),
+    "train mode and back": lambda m: m.bn.train(not m.bn.training),
+    "training through __dict__": lambda m: m.bn.__dict__.__setitem__("training",
+                                                                     not m.bn.training),
+    "in place": lambda m: m.bn.running_mean.add_(1),
+    "through .data": lambda m: m.bn.running_var.data.mul_(2),
+    "memory swapped": lambda m: setattr(m.conv.weight, "data", torch.randn_like(m.conv.weight)),
+}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("edit", EDITS)
+def test_edits_after_many_unchanged_calls_are_seen(edit: str) -> None:
+    """The per-call check skips its walk of slots, attributes and modes while nothing it
+    reads changed; after many calls on that fast path, each kind of edit, made twice, still
+    reaches the result (a replaced submodule did not, before submodules were watched)."""
+    fast = autoopt.optimize(Configured().eval(), (torch.randn(1, 3, 8, 8),))
+    x = torch.randn(1, 3, 8, 8)
+    for _ in range(2):
+        for _ in range(30):
+            fast(x)
+        EDITS[edit](fast.module)
+        for _ in range(3):  # the call that sees it, and those on the fast path again
+            torch.testing.assert_close(fast(x), copy.deepcopy(fast.module)(x))
+
+
+@torch.no_grad()
+def test_an_attribute_changed_while_no_graph_exists_and_put_back_is_seen() -> None:
+    """``.to()`` drops every graph; an attribute changed before the next call was traced by
+    that call's capture but not recorded, so putting it back passed for unchanged and the
+    graph traced with the other value was replayed."""
+    model = Configured().eval()
+    x = torch.randn(1, 3, 8, 8)
+    fast = autoopt.optimize(model, (x,))
+    fast.to(torch.float32)  # drops every graph
+    fast.module.config.scale = 5.0
+    torch.testing.assert_close(fast(x), copy.deepcopy(fast.module)(x))
+    fast.module.config.scale = 2.0  # the value before the drop
     torch.testing.assert_close(fast(x), copy.deepcopy(fast.module)(x))

@@ -4,18 +4,23 @@ Each signal is read for every tensor in one loop in C (``autoopt.watch``); these
 that the fast reads still see every kind of change the slow ones saw: a slot given another
 tensor, an in-place write, a write through ``.data`` (no version counter sees it), memory
 swapped under a parameter, a Python attribute, on plain tensors and on a tensor subclass
-(sampled through torch views instead of the raw gather).
+(sampled through torch views instead of the raw gather). The per-call check skips the walk of
+slots and attributes while the dicts' version tags hold still: every change the walk sees
+must move them.
 """
 
 from __future__ import annotations
 
 import copy
 import pickle
+import sys
+import types
 
 import pytest
 import torch
 from torch import nn
 
+from autoopt import watch as watch_module
 from autoopt.watch import ModuleWatch
 
 
@@ -94,3 +99,99 @@ def test_a_copy_takes_no_fingerprint_of_the_original_memory(copier) -> None:
     twin.take_fingerprint()
     twin.module[0].weight.data.mul_(2)
     assert not twin.unchanged() and watch.unchanged()
+
+
+def test_a_replaced_submodule_is_a_replaced_slot() -> None:
+    m = model()
+    watch = watched(m)
+    m[2] = nn.Linear(8, 4)  # the graphs hold the old one's weights
+    assert watch.replaced() and watch.reassigned()
+
+
+def test_tags_are_read_where_cpython_keeps_them() -> None:
+    """The fast path is on where it can be: a failed self-test would silently cost the walk
+    on every call."""
+    keeps = sys.implementation.name == "cpython" and (3, 10) <= sys.version_info[:2] <= (3, 12)
+    assert watch_module._TAGS_TRACK_CHANGES == keeps
+
+
+def configured() -> nn.Module:
+    m = model()
+    m[1].config = types.SimpleNamespace(scale=1.0)  # an object the module reads settings from
+    return m
+
+
+CHANGES = {
+    "attribute": lambda m: setattr(m[1], "momentum", 0.5),
+    "attribute, same value, new object": lambda m: setattr(m[1], "eps", 1e-5 + 0.0),
+    "attribute through __dict__": lambda m: m[1].__dict__.__setitem__("eps", 0.5),
+    "attribute deleted": lambda m: delattr(m[1], "momentum"),
+    "config attribute": lambda m: setattr(m[1].config, "scale", 2.0),
+    "train mode": lambda m: m[1].train(),
+    "training through __dict__": lambda m: m[0].__dict__.__setitem__("training", True),
+    "parameter assigned": lambda m: setattr(m[0], "weight", nn.Parameter(torch.randn(8, 8))),
+    "slot written": lambda m: m[0]._parameters.__setitem__("bias", torch.zeros(8)),
+    "buffer deleted": lambda m: m[1]._buffers.pop("running_mean"),
+    "submodule replaced": lambda m: m.__setitem__(2, nn.Linear(8, 4)),
+    "submodule deleted": lambda m: m._modules.pop("2"),
+}
+
+
+@pytest.mark.skipif(not watch_module._TAGS_TRACK_CHANGES, reason="no dict version tags here")
+@pytest.mark.parametrize("change", CHANGES)
+def test_every_change_the_walk_sees_moves_the_tags(change: str) -> None:
+    m = configured()
+    watch = watched(m)
+    token = watch.tags()
+    for _ in range(3):
+        assert watch.tags() == token  # nothing changed: the walk can be skipped
+    CHANGES[change](m)
+    assert watch.tags() != token
+    moved = watch.tags()
+    assert watch.tags() == moved  # and holds still again
+
+
+@pytest.mark.skipif(not watch_module._TAGS_TRACK_CHANGES, reason="no dict version tags here")
+def test_a_refreshed_snapshot_never_matches_an_older_token() -> None:
+    m = configured()
+    watch = watched(m)
+    token = watch.tags()
+    watch.refresh_attributes()
+    assert watch.tags() != token
+    token = watch.tags()
+    watch.refresh_tensors()
+    assert watch.tags() != token
+
+
+@pytest.mark.skipif(not watch_module._TAGS_TRACK_CHANGES, reason="no dict version tags here")
+@pytest.mark.parametrize("copier", [copy.deepcopy, lambda w: pickle.loads(pickle.dumps(w))],
+                         ids=["deepcopy", "pickle"])
+def test_a_copy_reads_the_tags_of_its_own_dicts(copier) -> None:
+    watch = watched(configured())
+    watch.tags()
+    twin = copier(watch)
+    token = twin.tags()
+    twin.module[1].momentum = 0.5
+    assert twin.tags() != token
+    token = watch.tags()
+    watch.module[1].eps = 0.5
+    assert watch.tags() != token
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int8, torch.bool,
+                                   torch.float64, torch.complex64, torch.complex128])
+def test_a_write_through_data_is_seen_in_every_element_width(dtype: torch.dtype) -> None:
+    """Samples are read a word per element, one gather per word size and alignment: a
+    tensor of each width (and one starting at an odd offset) keeps its own samples."""
+    m = nn.Module()
+    m.register_buffer("b", torch.zeros(64).to(dtype))
+    m.register_buffer("odd", torch.zeros(65).to(dtype)[1:])  # at an odd element offset
+    m.register_buffer("other", torch.zeros(16))
+    watch = watched(m)
+    assert watch.unchanged() and watch.rewritten() == set()
+    for name in ("b", "odd"):
+        getattr(m, name).data[0] = 1
+        assert not watch.unchanged()
+        assert watch.rewritten() == {id(getattr(m, name))}
+        watch.take_fingerprint()
