@@ -133,7 +133,8 @@ class Capturer:
         record = CaptureRecord(inputs=signature_of(args, kwargs, self.module).describe())
         self.report.captures.append(record)
         with memory_profile.allowing(self._config.optimize_memory_limit,
-                                     model_device(self.module) or torch.device("cpu")) as room:
+                                     model_device(self.module) or torch.device("cpu")) as room, \
+                memory_profile.collecting_only_new():
             try:
                 return self._capture(args, kwargs, record)
             finally:

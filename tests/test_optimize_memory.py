@@ -447,3 +447,46 @@ def test_the_html_report_lists_what_was_left_out_for_memory() -> None:
     assert "packed_linear&#x27;s packed weights" in text or "packed_linear's packed" in text
     assert "not done for memory" in text and "needs about 62 MiB" in text
     assert "not onnxruntime: not built for memory" in text
+
+
+class _Cycle:
+    """A reference cycle holding a tensor: freed only by the cycle collector, as a dropped
+    graph module is."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.me = tensor, self
+
+
+def test_captures_collect_what_they_drop_and_what_was_dropped_before() -> None:
+    import gc
+    import threading
+    import weakref
+
+    before = weakref.ref(_Cycle(torch.zeros(4)).tensor)  # dropped before any capture
+    entered, leave = threading.Event(), threading.Event()
+
+    def other_capture() -> None:
+        with memory_profile.collecting_only_new():
+            entered.set()
+            leave.wait(10)
+
+    other = threading.Thread(target=other_capture)
+    with memory_profile.collecting_only_new():
+        assert before() is None  # collected on entry
+        assert gc.get_freeze_count() > 0
+        other.start()
+        assert entered.wait(10)
+        inside = weakref.ref(_Cycle(torch.zeros(4)).tensor)
+        memory_profile.release_free_memory()
+        assert inside() is None
+    assert gc.get_freeze_count() > 0  # the other thread's capture still runs
+    leave.set()
+    other.join(10)
+    assert gc.get_freeze_count() == 0
+    # A model's optimize goes through it, and leaves nothing frozen.
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    x = torch.randn(2, 8)
+    fast = autoopt.optimize(model, (x,), random_inputs=1)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x))
+    assert gc.get_freeze_count() == 0
