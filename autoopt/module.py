@@ -303,6 +303,7 @@ class OptimizedModule(nn.Module):
         # The watch's snapshot was copied with the module, so it names the copied tensors.
         super().__setstate__(state)
         self._lock = threading.RLock()
+        self._settled = None  # pickled by an autoopt that kept no token: walk on the first call
 
     def specialize(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Compiled:
         """Capture, optimize and verify for this input signature; record it in ``report``.

@@ -195,3 +195,27 @@ def test_a_write_through_data_is_seen_in_every_element_width(dtype: torch.dtype)
         assert not watch.unchanged()
         assert watch.rewritten() == {id(getattr(m, name))}
         watch.take_fingerprint()
+
+
+def test_a_module_pickled_before_the_tags_token_loads_and_follows_edits(monkeypatch) -> None:
+    """An optimized module pickled by an autoopt that kept no ``_settled`` token."""
+    import autoopt
+    from autoopt.module import OptimizedModule
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
+    x = torch.randn(2, 4)
+    fast = autoopt.optimize(net, (x,), random_inputs=1)
+    plain_state = OptimizedModule.__getstate__
+
+    def without_token(self: OptimizedModule) -> dict:
+        state = plain_state(self)
+        state.pop("_settled", None)
+        return state
+
+    monkeypatch.setattr(OptimizedModule, "__getstate__", without_token)
+    loaded = pickle.loads(pickle.dumps(fast))
+    monkeypatch.undo()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), loaded.module(x))
+        loaded.module[0].weight.mul_(2)  # an edit after the first call still reaches it
+        torch.testing.assert_close(loaded(x), loaded.module(x))
