@@ -81,6 +81,10 @@ class ModuleWatch:
     """A snapshot of a module's tensors (identity, version, sampled contents) and of the plain
     Python values its submodules (and objects they hold, such as a ``config``) carry."""
 
+    # (module's __dict__, key, settings object) as at the snapshot; empty in a watch pickled
+    # before it was kept.
+    _holders: list[tuple[dict[str, Any], str, Any]] = []
+
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.shared: list[torch.Tensor] = []  # tensors on the user's memory (module.py)
@@ -201,6 +205,9 @@ class ModuleWatch:
         namespaces: list[dict[str, Any]] = []
         getters: list[Callable[[dict[str, Any]], Any]] = []
         seen: set[int] = set()
+        # Which settings object each module holds: one replaced whole (``model.config =
+        # other``) is read by the graph no more, though the old one's values are unchanged.
+        holders: list[tuple[dict[str, Any], str, Any]] = []
 
         def watch(namespace: dict[str, Any], keys: list[str]) -> None:
             if keys:
@@ -215,18 +222,24 @@ class ModuleWatch:
                 if _is_scalar(value):
                     keys.append(key)
                 elif (hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type))
-                      and not callable(value) and id(value) not in seen):
+                      and not callable(value)):
                     # An object the module reads settings from (a transformers config).
-                    seen.add(id(value))
-                    watch(vars(value), [k for k, v in vars(value).items()
-                                        if not k.startswith("__") and _is_scalar(v)])
+                    holders.append((m.__dict__, key, value))
+                    if id(value) not in seen:
+                        seen.add(id(value))
+                        watch(vars(value), [k for k, v in vars(value).items()
+                                            if not k.startswith("__") and _is_scalar(v)])
             watch(m.__dict__, keys)
         self._getters = (namespaces, getters, list(map(_CALL, getters, namespaces)))
+        self._holders = holders
         self._tag_reader = None
 
     def attributes_changed(self) -> bool:
-        """Whether a watched plain value was re-assigned or deleted since the snapshot."""
+        """Whether a watched plain value was re-assigned or deleted since the snapshot, or a
+        settings object replaced by another."""
         namespaces, getters, saved = self._getters
+        if any(d.get(key) is not value for d, key, value in self._holders):
+            return True
         try:
             # One getter per namespace, all called by one ``map``; list and tuple equality
             # compare identity first, then values (plain values only, so ``==`` is safe: a

@@ -431,6 +431,8 @@ EDITS = {
     "attribute through __dict__": lambda m: m.bn.__dict__.__setitem__("eps",
                                                                       float(torch.rand(()))),
     "config attribute": lambda m: setattr(m.config, "scale", float(torch.rand(()))),
+    "config replaced whole": lambda m: setattr(
+        m, "config", types.SimpleNamespace(scale=float(torch.rand(())))),
     "train mode and back": lambda m: m.bn.train(not m.bn.training),
     "training through __dict__": lambda m: m.bn.__dict__.__setitem__("training",
                                                                      not m.bn.training),
