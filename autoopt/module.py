@@ -123,6 +123,7 @@ class OptimizedModule(nn.Module):
         (captured now if none serves them yet)."""
         args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
         kwargs = dict(kwargs or {})
+        self._checked()  # as a call would: nothing stale is found, nothing captured from it
         spec = self._find(args, kwargs) or self.specialize(args, kwargs)
         return Specialization(spec.signature, spec.method, spec.graph, _backend(spec))
 
@@ -133,6 +134,24 @@ class OptimizedModule(nn.Module):
         return self.specialization_for(args, kwargs).graph
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        training = self._checked()
+        if training is None:
+            # Swapped in for this call (torch.func.functional_call, stateless
+            # reparametrization): eager reads them where they are.
+            return self._run_reparametrized(args, kwargs)
+        spec = self._find(args, kwargs, training)
+        if spec is None:
+            with self._lock:  # another thread may have captured it meanwhile
+                spec = self._find(args, kwargs) or self.specialize(args, kwargs)
+        with GATE.calling():  # no capture runs in another thread meanwhile
+            return spec.run(*args, **kwargs)
+
+    def _checked(self) -> tuple[bool, ...] | None:
+        """Drop what the module's state no longer matches (slots, attributes, weights) and
+        return the train/eval flags; None where other tensors are swapped into the slots for
+        this call only. Run before anything is found or captured: a graph captured during a
+        swap would hold copies of the swapped-in tensors, and one traced after an attribute
+        changed must be what the snapshot records."""
         # Slots, attributes and train/eval flags are walked only when one of the dicts they
         # live in changed since the last walk found them consistent (one gather of version
         # tags, where the walk costs 0.2 ms on a large model after its run evicted the
@@ -142,14 +161,10 @@ class OptimizedModule(nn.Module):
         if tags is not None and settled is not None and settled[0] == tags:
             training = settled[1]
         else:
-            # Checked before anything is found or captured: a graph captured during a swap
-            # would hold copies of the swapped-in tensors.
             if self._watch.replaced():
                 # Other tensors sit in the module's slots than the graphs hold.
                 if not self._watch.reassigned():
-                    # Swapped in for this call (torch.func.functional_call, stateless
-                    # reparametrization): eager reads them where they are.
-                    return self._run_reparametrized(args, kwargs)
+                    return None
                 self._retrack()  # assigned for good (module.weight = Parameter(...))
             self._check_attributes()
             training = training_flags(self._submodules)
@@ -160,12 +175,7 @@ class OptimizedModule(nn.Module):
         if (any(s.signature is not None for s in specs) and any(s.stamp is not None for s in specs)
                 and not self._watch.unchanged()):
             self._drop_stale_graphs()
-        spec = self._find(args, kwargs, training)
-        if spec is None:
-            with self._lock:  # another thread may have captured it meanwhile
-                spec = self._find(args, kwargs) or self.specialize(args, kwargs)
-        with GATE.calling():  # no capture runs in another thread meanwhile
-            return spec.run(*args, **kwargs)
+        return training
 
     def _check_attributes(self) -> None:
         specs = self._specializations

@@ -471,3 +471,16 @@ def test_an_attribute_changed_while_no_graph_exists_and_put_back_is_seen() -> No
     torch.testing.assert_close(fast(x), copy.deepcopy(fast.module)(x))
     fast.module.config.scale = 2.0  # the value before the drop
     torch.testing.assert_close(fast(x), copy.deepcopy(fast.module)(x))
+
+
+@torch.no_grad()
+def test_specialization_for_checks_the_module_as_a_call_does() -> None:
+    """A graph captured by ``specialization_for`` after an attribute changed traced the new
+    value; putting the value back must still drop it (the snapshot was the old value's, so
+    it passed for unchanged)."""
+    fast = autoopt.optimize(Configured().eval(), (torch.randn(1, 3, 8, 8),))
+    y = torch.randn(2, 3, 8, 8)
+    fast.module.config.scale = 5.0
+    fast.specialization_for((y,))
+    fast.module.config.scale = 2.0  # the value at optimize
+    torch.testing.assert_close(fast(y), copy.deepcopy(fast.module)(y))
