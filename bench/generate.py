@@ -143,15 +143,23 @@ def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
     setup: dict[str, float] = {}
     tokens: dict[str, torch.Tensor] = {}
     modules: dict[str, nn.Module] = {}
+    failed: dict[str, str] = {}
     greedy = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
     print(f"[{name} b{batch}] eager reference", flush=True)
     tokens["eager"] = model.generate(ids, **greedy)
     print(f"[{name} b{batch}] torch.compile recipe (compiling)", flush=True)
+    torch._dynamo.reset()  # each row compiles as a fresh process would
     start = time.perf_counter()
-    runners["compile"] = synced(compile_recipe(model), device)
-    tokens["compile"] = runners["compile"](ids, **greedy)
-    runners["compile"](ids, **greedy)
-    setup["compile"] = time.perf_counter() - start
+    try:
+        recipe = synced(compile_recipe(model), device)
+        tokens["compile"] = recipe(ids, **greedy)
+        recipe(ids, **greedy)
+    except Exception as exc:  # noqa: BLE001 - a peer that fails is a row that says so
+        failed["compile"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+        print(f"[{name} b{batch}] the recipe failed: {failed['compile']}", flush=True)
+    else:
+        runners["compile"] = recipe
+        setup["compile"] = time.perf_counter() - start
     low = "int8" if device.type == "cpu" else "bf16"  # int8 is a CPU kernel
     for label, precision in (("autoopt", None), (f"autoopt {low}", low)):
         print(f"[{name} b{batch}] {label}: optimize and two generate calls", flush=True)
@@ -173,7 +181,9 @@ def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
     print(f"[{name} b{batch}] autoopt {low}: next tokens given eager's prefix", flush=True)
     quantized = f"autoopt {low}"
     forced = {quantized: next_token_agreement(modules[quantized], model, tokens["eager"], prompt)}
-    rows = []
+    rows: list[dict[str, Any]] = [dict(model=name, batch=batch, runner=label, failed=why,
+                                       weights_mib=weight_bytes(model) / 2**20)
+                                  for label, why in failed.items()]
     for label, t in timings.items():
         read = read_fp32 / {"int8": 4, "bf16": 2}.get(label.rsplit(" ", 1)[-1], 1)
         rows.append(dict(model=name, batch=batch, runner=label,
@@ -209,6 +219,10 @@ def table(rows: list[dict[str, Any]], threads: int, command: str, bytes_per_s: f
         "tokens/s | new tokens = eager's | next token = eager's | setup s |",
         "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if "failed" in r:
+            lines.append(f"| {r['model']} ({r['weights_mib']:.0f} MiB) | {r['batch']} | "
+                         f"{r['runner']} | failed: {r['failed']} | | | | | | |")
+            continue
         setup = f"{r['setup']:.1f}" if r["setup"] is not None else "-"
         forced = f"{r['forced']:.1%}" if r["forced"] is not None else "-"
         lines.append(f"| {r['model']} ({r['weights_mib']:.0f} MiB) | {r['batch']} | "
