@@ -52,6 +52,12 @@ _owners: weakref.WeakKeyDictionary[nn.Module, weakref.ref[ModuleWatch]] = \
 
 
 def _count_assignment(module: nn.Module, name: str, value: Any) -> None:
+    if torch.compiler.is_compiling():
+        # Dynamo traces global hooks into the user's own compiled forward: reading
+        # ``_owners`` there guarded on its entries by position, and once the weak dict
+        # changed, building those guards raised IndexError (transformers' static-cache
+        # recipe, after autoopt had optimized a model in the same process).
+        return
     ref = _owners.get(module)
     watch = ref() if ref is not None else None
     if watch is not None:

@@ -219,3 +219,24 @@ def test_a_module_pickled_before_the_tags_token_loads_and_follows_edits(monkeypa
         torch.testing.assert_close(loaded(x), loaded.module(x))
         loaded.module[0].weight.mul_(2)  # an edit after the first call still reaches it
         torch.testing.assert_close(loaded(x), loaded.module(x))
+
+
+def test_a_users_torch_compile_does_not_trace_into_the_watch() -> None:
+    """autoopt's registration hooks are global: Dynamo traced them into the user's own
+    compiled forward, guarded on the entries of autoopt's weak dict of watches by position,
+    and failed to build those guards once the dict changed (IndexError, transformers'
+    static-cache recipe after an optimize in the same process)."""
+    import autoopt
+
+    class Registers(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.register_buffer("last", x.detach().sum(), persistent=False)
+            return x * 2
+
+    other = nn.Sequential(nn.Linear(4, 4)).eval()
+    fast = autoopt.optimize(other, (torch.randn(2, 4),), random_inputs=1)  # a watch exists
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(Registers())(torch.randn(3))
+    names = [str(getattr(g, "name", g)) for g in explained.out_guards or []]
+    assert names and not [n for n in names if "_owners" in n], names
+    assert fast is not None
