@@ -359,11 +359,17 @@ def _part(word: int, addresses: list[int], owners: list[int],
     """Words of ``word`` bytes, every address the same modulo ``word``: an array of them from
     the lowest address to the highest (numpy touches only the words indexed), the indices,
     and whose each is."""
-    where = np.array(addresses, np.int64)
+    memory, index = _span(word, np.array(addresses, np.int64))
+    return memory, index, np.array(owners, np.int64)
+
+
+def _span(word: int, where: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The memory from the lowest address in ``where`` to the highest as ``word``-byte
+    unsigned words (numpy touches only those indexed), and each address's index in it."""
     base = int(where.min())
     typestr = np.dtype(f"u{word}").str
     memory = np.asarray(_Memory(base, int(where.max() - base) // word + 1, typestr))
-    return memory, (where - base) // word, np.array(owners, np.int64)
+    return memory, (where - base) // word
 
 
 class _Memory:
@@ -378,7 +384,6 @@ class _Memory:
 # PyDictObject: the object header, ``ma_used``, ``ma_version_tag`` (Include/cpython/dictobject.h).
 _USED_OFFSET = object.__basicsize__
 _TAG_OFFSET = _USED_OFFSET + 8
-_WORD = np.dtype(np.uint64).str
 
 
 class _Tags:
@@ -396,11 +401,9 @@ class _Tags:
 def _words(addresses: Iterator[int]) -> Callable[[], np.ndarray]:
     """A reader of the 8-byte words at these (8-byte aligned) addresses, one numpy ``take``."""
     where = np.fromiter(addresses, np.int64)
-    base = int(where.min())
-    if np.any((where - base) % 8):
+    if np.any((where - where.min()) % 8):
         raise ValueError("unaligned words")
-    memory = np.asarray(_Memory(base, int(where.max() - base) // 8 + 1, _WORD))
-    index = (where - base) // 8
+    memory, index = _span(8, where)
     return lambda: memory.take(index)
 
 
