@@ -148,10 +148,10 @@ def _emit(gm: GraphModule, node: Node, weights: Node) -> Node:
         return _call(graph, torch.ops.quantized.linear_dynamic.default, (x, weights, False),
                      meta_val(node))
     x_val = meta_val(x)
-    size = aten.amax.default(aten.abs.default(x_val), [-1], True)
+    scale_val = aten.amax.default(aten.abs.default(x_val), [-1], True)
     magnitude = _call(graph, aten.abs.default, (x,), x_val)
-    largest = _call(graph, aten.amax.default, (magnitude, [-1], True), size)
-    scale = _call(graph, aten.clamp_min.default, (largest, _TINY), size)
+    largest = _call(graph, aten.amax.default, (magnitude, [-1], True), scale_val)
+    scale = _call(graph, aten.clamp_min.default, (largest, _TINY), scale_val)
     scaled = _call(graph, aten.div.Tensor, (x, scale), x_val)
     y = _call(graph, torch.ops.quantized.linear_dynamic.default, (scaled, weights, False),
               meta_val(node))
