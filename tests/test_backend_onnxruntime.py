@@ -149,17 +149,24 @@ def test_exported_and_cached_sessions_take_plain_ort_settings(
     import onnxruntime
 
     cached: list[OnnxSession] = []
-    real = ort.session_from_bytes
+    real = ort.onnx_session
 
     def from_cache(*args: Any, **kwargs: Any) -> OnnxSession:
-        cached.append(real(*args, **kwargs))
-        return cached[-1]
+        session = real(*args, **kwargs)
+        if not exported:
+            cached.append(session)
+        return session
 
-    monkeypatch.setattr(ort, "session_from_bytes", from_cache)
+    exported: list[Any] = []
+    write = ort.write_onnx
+    monkeypatch.setattr(ort, "onnx_session", from_cache)
+    monkeypatch.setattr(ort, "write_onnx", lambda *a: exported.append(a) or write(*a))
     model = Net().eval()
     x = torch.randn(2, 3, 8, 8)
     optimized(model, (x,))
-    optimized(model, (x,))  # from the ONNX cache: external initializers, same settings
+    exported.clear()
+    optimized(model, (x,))  # from the ONNX cache: this run's weights, same settings
+    assert not exported
     assert len(lowered) == 2 and [g.session for g in lowered[1:]] == cached
     for graph in lowered:
         options = graph.session.session.get_session_options()

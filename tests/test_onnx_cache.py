@@ -132,3 +132,25 @@ def test_weights_the_exporter_computes_are_not_cached(exports: list[Path]) -> No
                                 disable=["fold_batchnorm"])
         torch.testing.assert_close(fast(x), model(x))
     assert len(exports) == 2
+
+
+@torch.no_grad()
+def test_the_entry_compares_every_block_of_every_weight(
+        exports: list[Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The exported weights are read back a block of rows at a time (a few bytes here):
+    a weight that differs only in its last rows, or only in a transposed one, is no entry."""
+    monkeypatch.setattr(onnx_cache, "_BLOCK", 64)
+    x = torch.randn(2, 3, 16)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 24), nn.GELU(), nn.Linear(24, 4)).eval()
+    gm = optimized(model, x).specializations[0].graph  # the graph ONNX Runtime runs
+    path = tmp_path / "graph.onnx"
+    ort.write_onnx(gm, (x,), {}, path, ["x"], ["y"], None, (), None, True, "auto")
+    assert onnx_cache.store("check", path, gm) == ""  # the file is the module's weights
+    for name, tensor in onnx_cache.tensors_of(gm).items():
+        if tensor.dim() == 2:
+            kept = tensor[-1, -1].item()
+            tensor[-1, -1] = kept + 1  # the last block of the weight, or its last column
+            why = onnx_cache.store("check", path, gm)
+            tensor[-1, -1] = kept
+            assert "is not the module's tensor" in why and name in why

@@ -90,8 +90,10 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
             # Building may run the graph (a warm-up, a lowering's own look at it): what a run
             # writes (BatchNorm statistics in train mode) is put back, as after verifying.
             with memory_profile.stage(f"backend {lowering.name}"), preserved(*state):
-                run = lowering.build()
-                verdict = None if lowering.verified or verify is None else verify(run)
+                with memory_profile.stage("build"):
+                    run = lowering.build()
+                with memory_profile.stage("verify"):
+                    verdict = None if lowering.verified or verify is None else verify(run)
         except Exception as exc:  # noqa: BLE001 - a backend that fails is skipped, not fatal
             log.info("backend %s failed: %s", lowering.name, exc)
             skipped[lowering.name] = f"failed to lower: {_first_line(exc)}"

@@ -7,23 +7,27 @@ with no file behind it) and, for each of those initializers, the parameter, buff
 of the graph module it is: the tensor of that name, or a 2-D tensor transposed (a linear's
 weight as a MatMul operand), checked bitwise equal to what the exporter wrote.
 A later lowering of the same graph (the same code, tensors' names, shapes and dtypes, inputs,
-library versions: ``key``) hands ONNX Runtime the graph module's current tensors for them
-(``SessionOptions.add_external_initializers``): the weights are always this run's, never the
-cached run's. Not cached: a graph where the exporter computed a weight of its own (a floating
-initializer that is none of the module's tensors, as when it folds an embedding lookup of a
-constant index, or one named after a tensor that holds other values, as when it folds a
-BatchNorm into a convolution), weights beyond one protobuf, devices other than the CPU. The
-session is verified against eager like any lowering, cached or not.
+library versions: ``key``) writes the graph module's current tensors into a weights file
+beside the cached graph, one at a time, and ONNX Runtime opens that (``materialize``): the
+weights are always this run's, never the cached run's, and the session maps the file rather
+than holding a copy of it. Not cached: a graph where the exporter computed a weight of its
+own (a floating initializer that is none of the module's tensors, as when it folds an
+embedding lookup of a constant index, or one named after a tensor that holds other values, as
+when it folds a BatchNorm into a convolution), devices other than the CPU. The session is
+verified against eager like any lowering, cached or not.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
 import logging
+import math
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +40,8 @@ from ..cost_model import default_cache_dir
 log = logging.getLogger(__name__)
 
 _FORMAT = 2
+_ALIGN = 1 << 16  # where each weight starts in a written file (ORT maps each from there)
+_BLOCK = 1 << 24  # bytes of a written weight read back at a time
 # Dtypes whose tensors ONNX Runtime can take from numpy views of the module's memory.
 _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
                  torch.int16, torch.int8, torch.uint8, torch.bool)
@@ -76,51 +82,60 @@ def tensors_of(gm: GraphModule) -> dict[str, torch.Tensor]:
     return found
 
 
-def load(entry: str, gm: GraphModule) -> tuple[bytes, dict[str, torch.Tensor]] | None:
-    """The cached graph for ``entry`` and the tensors of ``gm`` its emptied initializers take,
-    or None (no entry, or one these tensors do not fit)."""
+def materialize(entry: str, gm: GraphModule, path: Path) -> bool:
+    """Write the cached graph for ``entry`` to ``path``, its emptied initializers filled from
+    ``gm``'s tensors into the file beside it (``path.name + '.data'``), one tensor at a time;
+    False where there is no entry or these tensors do not fit it.
+
+    ONNX Runtime maps that file and keeps only its own (prepacked) copies: no copy of the
+    weights stays in this process for the session, as after a fresh export."""
+    import onnx
+
     base = folder() / entry
     try:
         emptied = json.loads(base.with_suffix(".json").read_text())["initializers"]
-        graph = base.with_suffix(".onnx").read_bytes()
+        proto = onnx.ModelProto.FromString(base.with_suffix(".onnx").read_bytes())
         tensors = tensors_of(gm)
-        given, transposed = {}, {}
+        given = {}
         for name, of in emptied.items():
             t = tensors.get(of["of"])
             if (t is None or list(t.shape) != of["shape"] or str(t.dtype) != of["dtype"]
                     or t.dtype not in _NUMPY_DTYPES):
-                return None
-            (transposed if of["transpose"] else given)[name] = t
-        if transposed:
-            graph = _with_transposed(graph, transposed)
+                return False
+            given[name] = t.t() if of["transpose"] else t
+        data = path.with_name(f"{path.name}.data")
+        offset = 0
+        with open(data, "wb") as out:
+            for init in proto.graph.initializer:
+                t = given.pop(init.name, None)
+                if t is None:
+                    continue
+                offset = -(-offset // _ALIGN) * _ALIGN  # ORT maps each tensor from here
+                out.seek(offset)
+                value = t.detach().cpu().contiguous()  # a transposed weight: one at a time
+                out.write(memoryview(value.numpy()).cast("B"))
+                size = value.numel() * value.element_size()
+                _point(init, data.name, offset, size)
+                offset += size
+        if given:
+            return False
+        path.write_bytes(proto.SerializeToString())
     except Exception as exc:  # noqa: BLE001 - an entry that cannot be read is a miss
         log.info("the ONNX cache entry %s is not usable (%s)", entry, exc)
-        return None
-    return graph, given
-
-
-def _with_transposed(graph: bytes, weights: dict[str, torch.Tensor]) -> bytes:
-    """The graph with these initializers written in, transposed: ONNX Runtime then owns
-    them (a transposed copy handed over as an external initializer would have to live as
-    long as the session, beside the packed copy ORT makes)."""
-    import onnx
-
-    proto = onnx.ModelProto.FromString(graph)
-    for init in proto.graph.initializer:
-        if init.name in weights:
-            init.ClearField("external_data")
-            init.data_location = onnx.TensorProto.DEFAULT
-            init.raw_data = weights[init.name].detach().cpu().t().contiguous().numpy().tobytes()
-    return proto.SerializeToString()
+        return False
+    return True
 
 
 def store(entry: str, path: Path, gm: GraphModule) -> str:
-    """Keep the file at ``path`` as ``entry``, its weights emptied; return why not, or ''."""
+    """Keep the file at ``path`` as ``entry``, its weights emptied; return why not, or ''.
+
+    Each initializer the exporter wrote beside the graph is read back and compared with the
+    module's tensor a few MiB at a time: the written weights are never in memory whole."""
     import numpy as np
     import onnx
-    from onnx import external_data_helper, numpy_helper
+    from onnx import helper, numpy_helper
 
-    proto = onnx.load(str(path))
+    proto = onnx.load(str(path), load_external_data=False)
     tensors = {n: t for n, t in tensors_of(gm).items() if t.dtype in _NUMPY_DTYPES}
     small_weights = any(t.is_floating_point() and t.numel() <= 1 for t in tensors.values())
     # A linear's weight is often written transposed (a MatMul's right operand): found by
@@ -129,30 +144,33 @@ def store(entry: str, path: Path, gm: GraphModule) -> str:
                   for n, t in tensors.items() if t.dim() == 2 and t.is_floating_point()}
     emptied: dict[str, dict[str, Any]] = {}
     for init in proto.graph.initializer:
-        value = numpy_helper.to_array(init)
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(init.data_type))
+        shape = tuple(init.dims)
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            blocks = functools.partial(_blocks, path.parent, init, dtype, shape)
+        else:
+            blocks = functools.partial(iter, [(0, numpy_helper.to_array(init))])
         t = tensors.get(init.name)
         of, transpose = init.name, False
-        if t is None and value.ndim == 2 and value.size > 1:
-            of = transposed.get((value.shape, _head(torch.from_numpy(value[0].copy()))), "")
+        if t is None and len(shape) == 2 and math.prod(shape) > 1:
+            first = next(blocks())[1][0]
+            of = transposed.get((shape, _head(torch.from_numpy(first.copy()))), "")
             t, transpose = tensors.get(of), True
         if t is None:
             # A constant of the exporter's: the graph's code names it (a shape, an axis,
             # a literal), unless it was computed from a weight.
-            if np.issubdtype(value.dtype, np.floating) and (value.size > 1 or small_weights):
+            if np.issubdtype(dtype, np.floating) and (math.prod(shape) > 1 or small_weights):
                 return f"the exporter computed initializer {init.name!r} from the weights"
             continue
         held = t.detach().cpu()
-        if not np.array_equal((held.t() if transpose else held).numpy(), value):
+        held = held.t() if transpose else held
+        if tuple(held.shape) != shape or held.numpy().dtype != dtype or not all(
+                np.array_equal((held[start:start + len(part)] if shape else held).numpy(),
+                               part) for start, part in blocks()):
             return f"initializer {init.name!r} is not the module's tensor {of!r}"
         emptied[init.name] = {"of": of, "shape": list(t.shape), "dtype": str(t.dtype),
                               "transpose": transpose}
-        size = len(init.raw_data) or value.nbytes
-        init.raw_data = b"\0"  # set_external_data asks for raw data, which it then drops
-        external_data_helper.set_external_data(init, location="autoopt-weights-not-stored",
-                                               offset=0, length=size)
-        for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data"):
-            init.ClearField(field)
-        init.data_location = onnx.TensorProto.EXTERNAL
+        _point(init, "autoopt-weights-not-stored", 0, held.numel() * dtype.itemsize)
     target = folder()
     target.mkdir(parents=True, exist_ok=True)
     _write(target / f"{entry}.onnx", proto.SerializeToString())
@@ -160,6 +178,38 @@ def store(entry: str, path: Path, gm: GraphModule) -> str:
     _write(target / f"{entry}.json", json.dumps({"format": _FORMAT,
                                                   "initializers": emptied}).encode())
     return ""
+
+
+def _point(init: Any, location: str, offset: int, length: int) -> None:
+    """Make ``init`` read its values from ``location`` at ``offset``, holding none itself."""
+    import onnx
+    from onnx import external_data_helper
+
+    for field in ("float_data", "int32_data", "int64_data", "double_data", "external_data"):
+        init.ClearField(field)
+    init.raw_data = b"\0"  # set_external_data asks for raw data, which it then drops
+    external_data_helper.set_external_data(init, location=location, offset=offset,
+                                           length=length)
+    init.ClearField("raw_data")
+    init.data_location = onnx.TensorProto.EXTERNAL
+
+
+def _blocks(base: Path, init: Any, dtype: Any, shape: tuple[int, ...],
+            ) -> Iterator[tuple[int, Any]]:
+    """An external initializer's values read back from its file a block of rows at a time,
+    each with the index of its first row (a scalar is one block of its own)."""
+    import numpy as np
+
+    info = {entry.key: entry.value for entry in init.external_data}
+    rows = shape[0] if shape else 1
+    row_bytes = dtype.itemsize * math.prod(shape[1:])
+    step = max(1, _BLOCK // max(row_bytes, 1))
+    with open(base / info["location"], "rb") as data:
+        data.seek(int(info.get("offset", 0)))
+        for start in range(0, rows, step):
+            count = min(step, rows - start)
+            block = np.frombuffer(data.read(count * row_bytes), dtype=dtype)
+            yield start, block.reshape((count, *shape[1:]) if shape else ())
 
 
 def _head(row: torch.Tensor) -> bytes:

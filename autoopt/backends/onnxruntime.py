@@ -19,16 +19,14 @@ import torch
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
+from .. import memory_profile
 from ..capture import objects
 from ..export.onnx_io import flat_tensors, name_inputs, name_outputs
 from ..export.onnx_writer import weight_bytes, write_onnx
-from ..export.session import OnnxSession, onnx_session, session_from_bytes
+from ..export.session import OnnxSession, onnx_session
 from . import onnx_cache
 
 log = logging.getLogger(__name__)
-
-_PROTOBUF_LIMIT = 2 ** 31 - 2 ** 20  # one protobuf holds under 2 GB; weights beyond go aside
-
 
 class OrtGraph:
     """Calls an ONNX Runtime session like the model: same arguments, same output structure.
@@ -89,51 +87,49 @@ def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str
     input_names = name_inputs(forward, args, kwargs)
     output_names = name_outputs(expected)
     threads = torch.get_num_threads() if device.type == "cpu" else None
-    # Weights beyond one protobuf cannot be written into the cached graph (a transposed
-    # weight is) nor handed to ONNX Runtime as one serialized model.
-    cacheable = device.type == "cpu" and weight_bytes(gm) <= _PROTOBUF_LIMIT
-    # The graph exported by an earlier optimize of this graph, given this run's weights.
+    cacheable = device.type == "cpu"
     entry = onnx_cache.key(gm, args, kwargs, input_names, output_names, device)
-    cached = onnx_cache.load(entry, gm) if cacheable else None
-    if cached is not None:
-        graph, initializers = cached
-        try:
-            session = session_from_bytes(graph, device, threads, initializers)
-        except Exception as exc:  # noqa: BLE001 - a damaged entry costs an export
-            log.info("onnxruntime: the cached graph %s does not open (%s); exporting again",
-                     entry, exc)
-        else:
-            log.info("onnxruntime: the exported graph from the cache (%s), this run's "
-                     "weights", entry)
-            return OrtGraph(session, input_names, expected)
     with tempfile.TemporaryDirectory(prefix="autoopt-ort-") as folder:
         path = Path(folder) / "graph.onnx"
+        # The graph exported by an earlier optimize of this graph, given this run's weights.
+        if cacheable and onnx_cache.materialize(entry, gm, path):
+            try:
+                with memory_profile.stage("onnxruntime session"):
+                    session = onnx_session(path, device, threads=threads)
+            except Exception as exc:  # noqa: BLE001 - a damaged entry costs an export
+                log.info("onnxruntime: the cached graph %s does not open (%s); exporting "
+                         "again", entry, exc)
+            else:
+                log.info("onnxruntime: the exported graph from the cache (%s), this run's "
+                         "weights", entry)
+                return OrtGraph(session, input_names, expected)
         # The weights go to a file beside the graph, always: written into the protobuf they
         # were serialized in memory and parsed back by the session, each a copy of them
         # (a 106 M-parameter decoder: this candidate's growth +1.28 → +0.57 GiB, 6.4 → 4.7 s).
-        with objects.scoped_for(expected):  # a DynamicCache output (see capture.objects)
+        with memory_profile.stage("onnx export"), objects.scoped_for(expected):
+            # (scoped_for: a DynamicCache output, see capture.objects)
             write_onnx(gm, args, kwargs, path, input_names, output_names, None, (), None,
                        True, "auto")
         if cacheable:
-            # Before the session: the file read back for the entry (a copy of the weights)
-            # is freed before ORT makes its own.
             try:
-                why = onnx_cache.store(entry, path, gm)
+                with memory_profile.stage("onnx cache entry"):
+                    why = onnx_cache.store(entry, path, gm)
             except Exception as exc:  # noqa: BLE001 - an unwritable cache costs a re-export
                 why = f"{type(exc).__name__}: {exc}"
             if why:
                 log.info("onnxruntime: the exported graph is not cached: %s", why)
-        # The session holds the weights in memory once created; the folder can go.
-        session = onnx_session(path, device, threads=threads)
+        # ONNX Runtime maps the weights' file and makes its own copies of what it prepacks;
+        # the folder can go once the session is open.
+        with memory_profile.stage("onnxruntime session"):
+            session = onnx_session(path, device, threads=threads)
     return OrtGraph(session, input_names, expected)
 
 
 def memory_estimate(gm: GraphModule) -> int:
-    """Bytes that exporting ``gm`` and opening its session may add: the cache entry's read
-    of the written file, then the session's own copy of the weights with its prepacked GEMM
-    weights (measured on a CPU with the weights written beside the graph: 1.43× the weights
-    on a 194 M-parameter decoder, 1.46× on a 106 M one; 3.2× when they were written into
-    the protobuf)."""
+    """Bytes that exporting ``gm`` and opening its session may add: the session's own copy of
+    the weights, prepacked, and its first run's working memory (measured on a CPU, a
+    106 M-parameter decoder: 1.47× the weights, the weights' file read back a block at a time
+    for the cache; 3.2× when they were written into the protobuf)."""
     return weight_bytes(gm) * 3 // 2
 
 

@@ -48,10 +48,8 @@ class OnnxSession:
     tensors. On CUDA, inputs and outputs stay on the GPU through IO binding.
     """
 
-    def __init__(self, session: Any, device: torch.device, io_binding: bool,
-                 keep: Any = None) -> None:
+    def __init__(self, session: Any, device: torch.device, io_binding: bool) -> None:
         self.session = session
-        self._keep = keep  # what the session may read for as long as it lives
         self.device = device
         self.providers: list[str] = session.get_providers()
         self.input_names = [i.name for i in session.get_inputs()]
@@ -221,22 +219,6 @@ def onnx_session(path: str | Path, device: str | torch.device = "cpu",
                              f"{first_line(exc)}") from exc
     log.info("ONNX Runtime session for %s on %s", path, session.get_providers())
     return OnnxSession(session, target, io_binding=target.type == "cuda")
-
-
-def session_from_bytes(graph: bytes, device: torch.device, threads: int | None,
-                       initializers: Mapping[str, torch.Tensor]) -> OnnxSession:
-    """A session on a serialized graph whose external initializers are ``initializers``
-    (read from the tensors' memory while the session is made; ONNX Runtime keeps its own
-    copy, and the tensors are held with the session all the same, as its API asks)."""
-    ort = require("onnxruntime", "an ONNX Runtime session",
-                  "pip install onnxruntime (onnxruntime-gpu for CUDA)")
-    options = _options(ort, threads)
-    held = {name: t.detach().cpu().contiguous() for name, t in initializers.items()}
-    values = [ort.OrtValue.ortvalue_from_numpy(t.numpy()) for t in held.values()]
-    if held:
-        options.add_external_initializers(list(held), values)
-    session = ort.InferenceSession(graph, options, providers=_providers(ort, device, device))
-    return OnnxSession(session, device, io_binding=device.type == "cuda", keep=(held, values))
 
 
 def _providers(ort: Any, target: torch.device, device: Any) -> list[Any]:
