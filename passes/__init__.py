@@ -13,6 +13,7 @@ from .constant_fold import constant_fold
 from .dead_code import eliminate_dead_code
 from .fold_batchnorm import fold_batchnorm
 from .gelu import replace_gelu
+from .grouped_attention import grouped_attention
 from .merge_linear import merge_linear
 from .onednn_conv import onednn_conv
 from .packed_linear import packed_linear
@@ -44,15 +45,18 @@ PIPELINE: tuple[tuple[str, PassFn], ...] = (
     ("onednn_conv", onednn_conv),
     # fp32 linears onto MKL's GEMM with weights packed once (CPU), where measured faster.
     ("packed_linear", packed_linear),
+    # Grouped-query attention on the shared key/value heads instead of copies repeated per
+    # query head (transformers' repeat_kv), where measured faster.
+    ("grouped_attention", grouped_attention),
 )
 
 # Passes that swap in kernels of one device and library build (opaque packed weights, mkldnn
 # ops): what they make runs only here, so exports (ONNX, .pt2) take the graph from before them.
-LOWERING: frozenset[str] = frozenset({"onednn_conv", "packed_linear"})
+LOWERING: frozenset[str] = frozenset({"onednn_conv", "packed_linear", "grouped_attention"})
 
 PASS_NAMES: tuple[str, ...] = tuple(name for name, _ in PIPELINE)
 
 __all__ = ["LOWERING", "PIPELINE", "PASS_NAMES", "PassContext", "PassFn", "PassResult",
            "cast_precision", "constant_fold", "eliminate_dead_code", "fold_batchnorm",
-           "merge_linear", "onednn_conv", "packed_linear", "remove_noops", "replace_attention",
-           "replace_gelu"]
+           "grouped_attention", "merge_linear", "onednn_conv", "packed_linear", "remove_noops",
+           "replace_attention", "replace_gelu"]
