@@ -23,6 +23,7 @@ takes the graph before it, whose opset spells attention without ``enable_gqa``.
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,13 +83,12 @@ def _repeat(node: Any) -> _Repeat | None:
     if not (is_call(expand, ops.EXPAND) and len(expand.users) == 1):
         return None
     unsqueeze = expand.args[0]
-    if not (is_call(unsqueeze, _UNSQUEEZE) and len(unsqueeze.users) == 1):
+    if not (_new_axis_2(unsqueeze) and len(unsqueeze.users) == 1):
         return None
     source = unsqueeze.args[0]
     inner, repeated, out = meta_val(source), meta_val(expand), meta_val(node)
-    dim = unsqueeze.args[1] if len(unsqueeze.args) > 1 else unsqueeze.kwargs.get("dim")
     if not all(isinstance(t, torch.Tensor) for t in (inner, repeated, out)) or \
-            inner.dim() != 4 or dim not in (2, -3):
+            inner.dim() != 4:
         return None
     b, kv, s, d = inner.shape
     groups = repeated.shape[2]
@@ -96,6 +96,20 @@ def _repeat(node: Any) -> _Repeat | None:
             or tuple(out.shape) != (b, kv * groups, s, d)):
         return None
     return _Repeat(source, groups)
+
+
+def _new_axis_2(node: Any) -> bool:
+    """Whether ``node`` inserts a size-1 axis at position 2 of a 4-D tensor: ``unsqueeze(x, 2)``
+    (export graphs) or ``x[:, :, None]`` / ``x[:, :, None, :, :]`` (Dynamo graphs)."""
+    if is_call(node, _UNSQUEEZE):
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        return dim in (2, -3)
+    if not (isinstance(node, Node) and node.op == "call_function"
+            and node.target is operator.getitem and len(node.args) == 2):
+        return False
+    index, whole = node.args[1], slice(None)
+    return (isinstance(index, tuple) and len(index) in (3, 5) and index[2] is None
+            and all(part == whole for i, part in enumerate(index) if i != 2))
 
 
 def _pays(ctx: PassContext, kwargs: dict[str, Any], key: _Repeat, value: _Repeat) -> bool:

@@ -99,6 +99,20 @@ def test_measured_where_a_cost_model_is_given() -> None:
         assert result.counts == {"grouped_attention": fired}
 
 
+@torch.no_grad()
+def test_dynamo_graphs_repeat_by_indexing() -> None:
+    """Under ``torch.compile(backend="autoopt")`` the repeat is ``x[:, :, None, :, :]``
+    (a getitem, not an unsqueeze): rewritten the same way."""
+    torch._dynamo.reset()
+    record = autoopt.CaptureRecord(inputs="test")
+    compiled = torch.compile(Grouped(), backend=lambda gm, example: autoopt.autoopt_backend(
+        gm, example, record=record))
+    args = inputs()
+    torch.testing.assert_close(compiled(*args), Grouped()(*args), rtol=1e-5, atol=1e-5)
+    (applied,) = [r for r in record.passes if r.name == "grouped_attention"]
+    assert applied.status == "applied" and applied.counts == {"grouped_attention": 1}
+
+
 @pytest.mark.parametrize("case", ["training", "unmeasured_cuda", "other_dim", "repeat_read",
                                   "keys_only"])
 def test_left_as_it_is(case: str) -> None:
