@@ -89,7 +89,9 @@ def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str
     threads = torch.get_num_threads() if device.type == "cpu" else None
     cacheable = device.type == "cpu"
     entry = onnx_cache.key(gm, args, kwargs, input_names, output_names, device)
-    with tempfile.TemporaryDirectory(prefix="autoopt-ort-") as folder:
+    # On Windows a file ONNX Runtime maps cannot be deleted while its session lives.
+    with tempfile.TemporaryDirectory(prefix="autoopt-ort-",
+                                     ignore_cleanup_errors=True) as folder:
         path = Path(folder) / "graph.onnx"
         # The graph exported by an earlier optimize of this graph, given this run's weights.
         if cacheable and onnx_cache.materialize(entry, gm, path):
