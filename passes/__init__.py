@@ -8,6 +8,7 @@ lives in ``autoopt.driver``.
 from __future__ import annotations
 
 from .attention import replace_attention
+from .attention_window import attention_window
 from .base import PassContext, PassFn, PassResult
 from .constant_fold import constant_fold
 from .dead_code import eliminate_dead_code
@@ -48,15 +49,19 @@ PIPELINE: tuple[tuple[str, PassFn], ...] = (
     # Grouped-query attention on the shared key/value heads instead of copies repeated per
     # query head (transformers' repeat_kv), where measured faster.
     ("grouped_attention", grouped_attention),
+    # Attention over a static cache's filled positions only, read from the mask at each call
+    # (CPU decode steps).
+    ("attention_window", attention_window),
 )
 
 # Passes that swap in kernels of one device and library build (opaque packed weights, mkldnn
 # ops): what they make runs only here, so exports (ONNX, .pt2) take the graph from before them.
-LOWERING: frozenset[str] = frozenset({"onednn_conv", "packed_linear", "grouped_attention"})
+LOWERING: frozenset[str] = frozenset({"onednn_conv", "packed_linear", "grouped_attention",
+                                     "attention_window"})
 
 PASS_NAMES: tuple[str, ...] = tuple(name for name, _ in PIPELINE)
 
 __all__ = ["LOWERING", "PIPELINE", "PASS_NAMES", "PassContext", "PassFn", "PassResult",
-           "cast_precision", "constant_fold", "eliminate_dead_code", "fold_batchnorm",
-           "grouped_attention", "merge_linear", "onednn_conv", "packed_linear", "remove_noops",
-           "replace_attention", "replace_gelu"]
+           "attention_window", "cast_precision", "constant_fold", "eliminate_dead_code",
+           "fold_batchnorm", "grouped_attention", "merge_linear", "onednn_conv",
+           "packed_linear", "remove_noops", "replace_attention", "replace_gelu"]

@@ -1,0 +1,111 @@
+"""attention_window: attention over a static cache's filled positions only, the window read
+from the mask at each call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import autoopt
+from autoopt.capture.graph import export_graph
+from autoopt.passes import PassContext, attention_window
+from autoopt.passes.attention_window import _window, windowed_sdpa
+
+F = nn.functional
+MIN = torch.finfo(torch.float32).min
+
+
+def cache(b: int = 2, h: int = 3, queries: int = 1, length: int = 256, d: int = 16,
+          filled: int = 40) -> tuple[torch.Tensor, ...]:
+    """A decode step's q and a cache of ``length`` positions, the first ``filled`` of which
+    each query may see (bool mask)."""
+    q = torch.randn(b, h, queries, d)
+    k, v = torch.randn(b, h, length, d), torch.randn(b, h, length, d)
+    mask = torch.zeros(b, 1, queries, length, dtype=torch.bool)
+    mask[..., :filled] = True
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("filled, window", [(1, 64), (40, 64), (64, 64), (65, 128),
+                                            (200, 256), (256, 256)])
+def test_the_window_is_the_last_visible_position_rounded_up(filled: int, window: int) -> None:
+    q, k, v, mask = cache(filled=filled)
+    assert _window(mask, 256) == window
+    floats = torch.zeros(mask.shape).masked_fill(~mask, MIN)
+    assert _window(floats, 256) == window
+    assert _window(floats.masked_fill(~mask, float("-inf")), 256) == window
+    for m in (mask, floats):
+        torch.testing.assert_close(windowed_sdpa(q, k, v, m), F.scaled_dot_product_attention(
+            q, k, v, m))
+
+
+def test_positions_one_row_sees_count_for_every_row() -> None:
+    """The window is the furthest position any query (any batch row) sees: a padded batch."""
+    q, k, v, mask = cache(b=3, filled=10)
+    mask[1, ..., 150] = True
+    assert _window(mask, 256) == 192
+    torch.testing.assert_close(windowed_sdpa(q, k, v, mask),
+                               F.scaled_dot_product_attention(q, k, v, mask))
+
+
+def test_masks_it_cannot_read_keep_the_whole_cache() -> None:
+    q, k, v, mask = cache(b=2, filled=10)
+    floats = torch.zeros(mask.shape).masked_fill(~mask, MIN)
+    floats[1] = MIN  # a query that sees nothing: softmax spreads it over all 256 keys
+    assert _window(floats, 256) == 256
+    torch.testing.assert_close(windowed_sdpa(q, k, v, floats),
+                               F.scaled_dot_product_attention(q, k, v, floats))
+    finite = torch.zeros(mask.shape).masked_fill(~mask, -1e4)  # another masked value
+    assert _window(finite, 256) == 256
+    assert _window(mask[..., :1], 256) == 256  # broadcast along the keys
+
+
+class Step(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5)
+
+
+def test_attention_over_a_cache_becomes_windowed() -> None:
+    args = cache()
+    result = attention_window(export_graph(Step(), args, {}), PassContext())
+    assert result.counts == {"attention_window": 1}
+    (node,) = [n for n in result.graph_module.graph.nodes if n.target is windowed_sdpa]
+    assert node.kwargs["scale"] == 0.5
+    for filled in (3, 100, 256):  # one graph, the window chosen at each call
+        fresh = cache(filled=filled)
+        torch.testing.assert_close(result.graph_module(*fresh), Step()(*fresh))
+
+
+@pytest.mark.parametrize("case", ["training", "cuda", "no_cache", "short_cache", "no_mask"])
+def test_left_as_it_is(case: str) -> None:
+    args = cache(queries=256 if case == "no_cache" else 1,
+                 length=64 if case == "short_cache" else 256)
+    if case == "no_mask":
+        args = (*args[:3], None)
+    context = PassContext(training=case == "training",
+                          device=torch.device("cuda" if case == "cuda" else "cpu"))
+    gm = export_graph(Step(), args, {})
+    result = attention_window(gm, context)
+    assert not result.modified
+    assert not any(n.target is windowed_sdpa for n in result.graph_module.graph.nodes)
+
+
+@torch.no_grad()
+def test_decoding_with_a_static_cache_gives_eager_tokens() -> None:
+    """GPT-2 from a small config: the decode graph attends over its cache's filled positions
+    (at most 64 of its 256 here) and the tokens are eager's."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4,
+                                     n_positions=512, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(1, 128, (2, 7))
+    fast = autoopt.optimize(model, (ids,), backend="aten")
+    kw = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False}
+    assert torch.equal(fast.generate(ids, **kw), model.generate(ids, **kw))
+    windowed = [(p.status, p.counts) for r in fast._generator.reports for c in r.captures
+                for p in c.passes if p.name == "attention_window"]
+    # The decode step's graph, each layer's attention; the prompt's has a symbolic length.
+    assert ("applied", {"attention_window": 2}) in windowed
