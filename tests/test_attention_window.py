@@ -109,3 +109,23 @@ def test_decoding_with_a_static_cache_gives_eager_tokens() -> None:
                 for p in c.passes if p.name == "attention_window"]
     # The decode step's graph, each layer's attention; the prompt's has a symbolic length.
     assert ("applied", {"attention_window": 2}) in windowed
+
+
+@torch.no_grad()
+def test_the_hybrid_backend_calls_the_window_between_inductors_regions() -> None:
+    """Under ``hybrid`` the windowed call is one of autoopt's kernels that Inductor's
+    generated regions call out to; the tokens stay eager's."""
+    pytest.importorskip("torch._inductor")
+    torch.manual_seed(1)
+    config = transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=2,
+                                     n_positions=512, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(1, 96, (1, 5))
+    fast = autoopt.optimize(model, (ids,), backends=("hybrid", "aten"))
+    kw = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False}
+    assert torch.equal(fast.generate(ids, **kw), model.generate(ids, **kw))
+    # The decode step's choice: hybrid built, verified against eager and measured (it was
+    # not applicable before the window: no kernel of autoopt's in that graph).
+    choices = [c for r in fast._generator.reports for c in r.backends]
+    assert any("hybrid" in c.seconds and "hybrid" not in c.skipped for c in choices)
+    assert all("windowed_sdpa ×2" in c.regions for c in choices if c.chosen == "hybrid")
