@@ -68,9 +68,14 @@ def grouped_attention(gm: GraphModule, ctx: PassContext) -> PassResult:
                      kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False))
         node.kwargs = {**({"scale": kwargs["scale"]} if kwargs.get("scale") is not None
                           else {}), "enable_gqa": True}
+        for repeat in dict.fromkeys((kwargs["key"], kwargs["value"])):  # reshape, expand, …
+            while repeat is not key.source and repeat is not value.source \
+                    and not repeat.users:
+                before = repeat.args[0]
+                gm.graph.erase_node(repeat)
+                repeat = before
         rewritten += 1
     if rewritten:
-        gm.graph.eliminate_dead_code()
         gm.recompile()
     return PassResult(gm, bool(rewritten), {"grouped_attention": rewritten})
 
