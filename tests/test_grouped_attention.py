@@ -13,6 +13,7 @@ from autoopt.capture.graph import export_graph
 from autoopt.passes import PassContext, grouped_attention
 
 aten = torch.ops.aten
+UNMEASURED = {"grouped_attention": {"measure": False}}  # the rewrite wherever it applies (CPU)
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -106,7 +107,7 @@ def test_dynamo_graphs_repeat_by_indexing() -> None:
     torch._dynamo.reset()
     record = autoopt.CaptureRecord(inputs="test")
     compiled = torch.compile(Grouped(), backend=lambda gm, example: autoopt.autoopt_backend(
-        gm, example, record=record))
+        gm, example, record=record, options={"pass_options": UNMEASURED}))
     args = inputs()
     torch.testing.assert_close(compiled(*args), Grouped()(*args), rtol=1e-5, atol=1e-5)
     (applied,) = [r for r in record.passes if r.name == "grouped_attention"]
@@ -150,7 +151,8 @@ def test_a_grouped_query_decoder_generates_eager_tokens() -> None:
                                       num_key_value_heads=2, max_position_embeddings=64)
     model = transformers.LlamaForCausalLM(config).eval()
     ids = torch.randint(0, 128, (2, 9))
-    fast = autoopt.optimize(model, (ids,), backend="aten")
+    # Not measured: whether the grouped call pays at this toy size differs by machine.
+    fast = autoopt.optimize(model, (ids,), backend="aten", pass_options=UNMEASURED)
     counts = {p.name: p.counts for c in fast.report.captures for p in c.passes}
     assert counts["grouped_attention"] == {"grouped_attention": 2}  # one per layer
     torch.testing.assert_close(fast(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
