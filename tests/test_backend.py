@@ -297,3 +297,24 @@ def test_symbolic_trace_refuses_to_write_a_buffer_at_trace_time() -> None:
     with pytest.raises(TypeError, match="writes buffer table"):
         symbolic_trace_graph(model, (torch.zeros(2),), {})
     torch.testing.assert_close(model.table, torch.ones(3))  # tracing left it as it was
+
+
+def test_a_subgraph_with_a_library_kernel_is_verified_on_its_example_only() -> None:
+    """torchvision's roi_align reads a box's batch index unchecked: a random box indexes out
+    of bounds (it crashed the process), so such a subgraph is compared on the example inputs
+    alone; one of ATen ops only also on random ones."""
+    import torchvision
+
+    from autoopt.capture.dynamo import verify_graph
+
+    class Pool(torch.nn.Module):
+        def forward(self, x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+            return torch.ops.torchvision.roi_align.default(x, boxes, 1.0, 2, 2, 2, False)
+
+    assert torchvision.ops is not None
+    x, boxes = torch.randn(2, 3, 8, 8), torch.tensor([[1.0, 0.0, 0.0, 4.0, 4.0]])
+    gm = torch.fx.symbolic_trace(Pool())
+    config = autoopt.OptimizeConfig()
+    assert verify_graph(gm, gm, [x, boxes], config).inputs_checked == 1
+    plain = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.ReLU()))
+    assert verify_graph(plain, plain, [x], config).inputs_checked == 1 + config.random_inputs
