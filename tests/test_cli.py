@@ -202,8 +202,10 @@ def test_profile_command_prints_the_top_ops_and_the_prediction(
     assert code == 0
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["op", "calls", "time"]
-    assert "aten.conv2d.default" in lines[1]  # convolutions dominate a ResNet
-    assert len([line for line in lines if line.startswith("aten.")]) == 5
+    top = [line for line in lines if line.startswith("aten.")]
+    assert len(top) == 5
+    # Convolutions dominate a ResNet, though under load another op may time first.
+    assert any("aten.conv2d.default" in line for line in top)
     assert "predicted" in out and "measured" in out and "error" in out
     data = json.loads(out_json.read_text())
     assert data["measured_s"] > 0 and data["predicted_s"] > 0
