@@ -28,6 +28,7 @@ from . import onnx_cache
 
 log = logging.getLogger(__name__)
 
+
 class OrtGraph:
     """Calls an ONNX Runtime session like the model: same arguments, same output structure.
 
