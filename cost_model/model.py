@@ -345,6 +345,11 @@ class CostModel:
             return None
         return {name: float(s) for name, s in stored.items()}
 
+    def record(self, what: str, names: Iterable[str], seconds: Mapping[str, float]) -> None:
+        """Store a choice among ``names`` measured in several sessions (each candidate against
+        one yardstick, its seconds put on one scale), for ``recorded`` to find."""
+        self.cache.put(self._fastest_key(what, names), {k: float(v) for k, v in seconds.items()})
+
     def _fastest_key(self, what: str, names: Iterable[str]) -> str:
         return f"fastest|{what}|{sorted(names)}|{self._context()}"
 

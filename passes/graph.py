@@ -193,3 +193,23 @@ def _module_is_impure(module: Any) -> bool:
         return True
     # BatchNorm and InstanceNorm update running statistics, but only in training.
     return module.training and next(module.buffers(), None) is not None
+
+
+def release_packed(gm: GraphModule) -> int:
+    """Drop the packed weight copies of ``gm``'s kernels (``packed_linear``, ``onednn_conv``)
+    that they can make again: the bytes dropped. While another backend is built and measured,
+    its own copies then need not fit next to these. Each kernel packs again on its next call,
+    or at ``restore_packed``."""
+    return sum(kernel.release() for kernel in _packed_kernels(gm))
+
+
+def restore_packed(gm: GraphModule) -> None:
+    """Pack again what ``release_packed`` dropped (the same weights, the same layout)."""
+    for kernel in _packed_kernels(gm):
+        kernel.restore()
+
+
+def _packed_kernels(gm: GraphModule) -> list[Any]:
+    return list({id(node.target): node.target for node in gm.graph.nodes
+                 if node.op == "call_function" and callable(getattr(node.target, "release", None))
+                 and callable(getattr(node.target, "restore", None))}.values())

@@ -68,13 +68,16 @@ class PackedConv:
 
     Packed weights are opaque (no storage) and derived from the model's weights, so a deep copy
     of the graph shares them. On meta or fake tensors (shape propagation, FLOP counting) it
-    computes the same thing with ATen ops on the weight's shape.
+    computes the same thing with ATen ops on the weight's shape. ``release()`` drops the packed
+    copy while another backend is built and measured; ``restore()``, or the next call, packs it
+    again for the input shape it was packed for.
     """
 
     def __init__(self, weight: torch.Tensor, packed: torch.Tensor, geometry: _Geometry,
-                 epilogue: _Epilogue | None, add: bool) -> None:
+                 epilogue: _Epilogue | None, add: bool, shape: list[int]) -> None:
         self.__name__ = "onednn_conv2d"  # what FX prints and names the call's global
-        self.weight, self.packed, self.geometry = weight, packed, geometry
+        self.weight, self.geometry, self.shape = weight, geometry, shape
+        self.packed: torch.Tensor | None = packed
         self.epilogue, self.add = epilogue, add
         self.threads = torch.get_num_threads()  # what the packing and the choice were made for
         # The cost model keys measurements by op name and argument shapes; the weight is bound
@@ -90,13 +93,12 @@ class PackedConv:
         if x.device.type == "meta" or isinstance(x, FakeTensor):
             return self.reference(x, bias, other, x.new_empty(self.weight.shape))
         threads = torch.get_num_threads()
-        if threads != self.threads:
+        if threads != self.threads or self.packed is None:
             # A weight packed for one thread count can run several times slower at another
             # (measured: a dilated resnet50 6x slower packed at 2 threads, run at 1), so the
             # weight is packed again for the new count, once.
-            self.packed = torch.ops.mkldnn._reorder_convolution_weight(
-                self.weight, *self.geometry, list(x.shape))
-            self.threads = threads
+            self.shape = list(x.shape)
+            self.restore()
         padding, stride, dilation, groups = self.geometry
         name, scalars, algorithm = self.epilogue or ("none", [], "")
         if other is None:
@@ -106,6 +108,21 @@ class PackedConv:
         return torch.ops.mkldnn._convolution_pointwise.binary(
             x, other, self.packed, bias, padding, stride, dilation, groups, "add", None,
             name if self.epilogue else None, scalars, algorithm or None)
+
+    def release(self) -> int:
+        """Drop the packed copy; the bytes dropped."""
+        if self.packed is None:
+            return 0
+        self.packed = None
+        return self.weight.numel() * self.weight.element_size()
+
+    def restore(self) -> None:
+        """Pack the weight again, for this thread count."""
+        if self.packed is not None and self.threads == torch.get_num_threads():
+            return
+        self.packed = torch.ops.mkldnn._reorder_convolution_weight(
+            self.weight, *self.geometry, self.shape)
+        self.threads = torch.get_num_threads()
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None,
                   other: torch.Tensor | None = None, weight: torch.Tensor | None = None,
@@ -164,10 +181,10 @@ def onednn_conv(gm: GraphModule, ctx: PassContext) -> PassResult:
             continue
         add, other, unary = _epilogue(conv.node)
         geometry = (conv.padding, conv.stride, conv.dilation, conv.groups)
-        packed = torch.ops.mkldnn._reorder_convolution_weight(
-            conv.weight, *geometry, list(meta_val(conv.input).shape))
+        shape = list(meta_val(conv.input).shape)
+        packed = torch.ops.mkldnn._reorder_convolution_weight(conv.weight, *geometry, shape)
         kernel = PackedConv(conv.weight, packed, geometry, unary[0][1] if unary else None,
-                            add is not None)
+                            add is not None, shape)
         if measure and not _pays(gm, ctx, conv, kernel, other):
             counts["kept_aten"] += 1
             continue

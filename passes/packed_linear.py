@@ -56,6 +56,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,16 +94,21 @@ class PackedLinear:
     are opaque (no storage) and derived from the model's weights, so a deep copy of the graph
     shares them. On meta or fake tensors (shape propagation, FLOP counting) it computes the same
     thing with ``F.linear``.
+
+    ``release()`` drops the packed copy (and a merged weight that ``source`` can concatenate
+    again) while another backend is built and measured; ``restore()``, or the next call, packs
+    it again from the same weights.
     """
 
     def __init__(self, weight: torch.Tensor, rows: int, kernel: str = "mkl",
-                 derived: bool = False) -> None:
+                 derived: bool = False,
+                 source: Callable[[], torch.Tensor] | None = None) -> None:
         if kernel not in KERNELS:
             raise ValueError(f"packed_linear: no kernel {kernel!r} (known: {KERNELS})")
         self.kernel = kernel
         self.__name__ = f"{kernel}_linear"  # what FX prints and names the call's global
-        self.weight, self.rows = weight, rows
-        self.packed = self._pack()
+        self.weight, self.rows, self.source = weight, rows, source
+        self.packed: torch.Tensor | None = self._pack()
         if kernel == "onednn" and derived:
             # oneDNN runs on the packed copy alone: holding a weight a pass made (a merged
             # Q/K/V weight) would keep a second copy alive (the user's own costs nothing).
@@ -116,6 +122,8 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.device.type == "meta" or isinstance(x, FakeTensor):
             return F.linear(x, x.new_empty(self.weight.shape), bias)
+        if self.packed is None:
+            self.restore()
         if self.kernel == "onednn":
             # oneDNN's blocked layout does not depend on the thread count (measured: a weight
             # reordered at 1 thread runs as fast at 2 as one reordered at 2), and the kernel
@@ -130,8 +138,33 @@ class PackedLinear:
         # MKL checks the row count itself: at another count it runs aten.linear on ``weight``.
         return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, bias, self.rows)
 
-    def _pack(self) -> torch.Tensor:
-        weight = self.weight.contiguous()
+    def release(self) -> int:
+        """Drop the packed copy, and a weight of ours that ``source`` makes again; the bytes
+        dropped (none where it cannot be packed again: a pass's weight with no source)."""
+        if self.packed is None or (self.weight.is_meta and self.source is None):
+            return 0
+        dropped = _bytes(self.weight)
+        self.packed = None
+        if self.source is not None and not self.weight.is_meta:
+            self.weight = self.weight.to("meta")  # a merged copy: concatenated again
+            dropped *= 2
+        return dropped
+
+    def restore(self) -> None:
+        """Pack the weight again (the same layout from the same values: the same results)."""
+        if self.packed is not None:
+            return
+        if self.weight.is_meta:
+            assert self.source is not None, "released without a source"
+            weight = self.source()
+            if self.kernel == "onednn":
+                self.packed = self._pack(weight)
+                return
+            self.weight = weight
+        self.packed, self.threads = self._pack(), torch.get_num_threads()
+
+    def _pack(self, weight: torch.Tensor | None = None) -> torch.Tensor:
+        weight = (self.weight if weight is None else weight).contiguous()
         if self.kernel == "onednn":
             # Without the row-count hint: the layout oneDNN picks for one row streams from
             # memory at 2/3 the speed of its default one (GPT-2's layers at 1 thread on an AMD
@@ -142,6 +175,9 @@ class PackedLinear:
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The same function in ATen, on the unpacked weight."""
+        if self.packed is None:
+            self.restore()
+        assert self.packed is not None
         weight = self.packed.to_dense() if self.weight.is_meta else self.weight
         return F.linear(x, weight, bias)
 
@@ -161,6 +197,10 @@ class _Linear:
     rows: int
     derived: bool = False  # a constant a pass made (read-only), not the model's own weight
     cold: bool = False  # read from memory on every call, and bound by that read (_COLD_ROWS)
+    source: Callable[[], torch.Tensor] | None = None  # makes a merged weight again
+
+    def kernel(self, name: str) -> PackedLinear:
+        return PackedLinear(self.weight, self.rows, name, self.derived, self.source)
 
 
 def kernels(device: torch.device) -> tuple[str, ...]:
@@ -220,7 +260,7 @@ def packed_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
                 counts["linear_kept_aten"] += 1
                 continue
         else:
-            kernel = PackedLinear(linear.weight, linear.rows, default, linear.derived)
+            kernel = linear.kernel(default)
         with graph.inserting_before(node):
             fused = graph.call_function(kernel, (linear.input, linear.bias))
         fused.meta = dict(node.meta)
@@ -274,7 +314,7 @@ def _eligible(gm: GraphModule, node: Node, cold: bool = False,
         return None
     if node.target in ops.LINEAR.aten:
         x, bias = kw.get("input"), kw.get("bias")
-        weight, derived = _constant_weight(gm, kw.get("weight"), lazy)
+        weight, derived, source = _constant_weight(gm, kw.get("weight"), lazy)
     else:
         if kw.get("beta", 1) != 1 or kw.get("alpha", 1) != 1:
             return None
@@ -284,7 +324,7 @@ def _eligible(gm: GraphModule, node: Node, cold: bool = False,
             x, bias = kw.get("input"), None
         rhs = constant_tensor(gm, kw.get("mat2"))
         weight = rhs.t() if rhs is not None else None  # a view: F.linear's layout, no copy
-        derived = rhs is not None and is_read_only(rhs)
+        derived, source = rhs is not None and is_read_only(rhs), None
     value = meta_val(x)
     if (weight is None or weight.dim() != 2 or weight.dtype != torch.float32
             or weight.is_mkldnn
@@ -300,25 +340,27 @@ def _eligible(gm: GraphModule, node: Node, cold: bool = False,
     rows = math.prod(value.shape[:-1])
     if rows == 0:
         return None
-    return _Linear(node, x, weight.detach(), bias, rows, derived, cold and rows <= _COLD_ROWS)
+    return _Linear(node, x, weight.detach(), bias, rows, derived, cold and rows <= _COLD_ROWS,
+                   source)
 
 
 def _constant_weight(gm: GraphModule, node: Any, lazy: bool = False,
-                     ) -> tuple[torch.Tensor | None, bool]:
-    """A linear's constant weight and whether a pass made it (not the model's own): a
-    ``get_attr`` constant, or a merged weight the driver reads as a concatenation of the
-    model's weights (``merge_linear.CONCATENATED``), computed here to be packed (``lazy``:
-    only its shape, a meta tensor)."""
+                     ) -> tuple[torch.Tensor | None, bool, Callable[[], torch.Tensor] | None]:
+    """A linear's constant weight, whether a pass made it (not the model's own) and, for a
+    merged one, what concatenates it again: a ``get_attr`` constant, or a merged weight the
+    driver reads as a concatenation of the model's weights (``merge_linear.CONCATENATED``),
+    computed here to be packed (``lazy``: only its shape, a meta tensor)."""
     weight = constant_tensor(gm, node)
     if weight is not None:
-        return weight, is_read_only(weight)
+        return weight, is_read_only(weight), None
     if isinstance(node, Node) and node.meta.get(CONCATENATED) and node.target is aten.cat.default:
         parts = [constant_tensor(gm, p) for p in node.args[0]]
         if parts and all(p is not None for p in parts):
             if lazy:
-                return torch.cat([p.detach().to("meta") for p in parts]), True
-            return torch.cat([p.detach() for p in parts]), True
-    return None, False
+                return torch.cat([p.detach().to("meta") for p in parts]), True, None
+            detached = [p.detach() for p in parts]  # the model's weights: holding them is free
+            return torch.cat(detached), True, functools.partial(torch.cat, detached)
+    return None, False, None
 
 
 def _what(linear: _Linear, bias: bool) -> str:
@@ -392,8 +434,7 @@ def _choose(gm: GraphModule, ctx: PassContext, linear: _Linear,
     what = _what(linear, bias is not None)
     if what in chosen:
         best = chosen[what]
-        return None if best == "aten" else PackedLinear(
-            linear.weight, linear.rows, best.removesuffix("_packed"), linear.derived)
+        return None if best == "aten" else linear.kernel(best.removesuffix("_packed"))
     value = meta_val(linear.input)
     x = torch.randn(value.shape, dtype=value.dtype)
     # Cold: each run sweeps copies of the weight that together outgrow the last-level cache,
@@ -405,7 +446,8 @@ def _choose(gm: GraphModule, ctx: PassContext, linear: _Linear,
     # (a decoder's repeated layers) only the winner is packed, and the losers' copies are
     # dropped on return.
     packed = {f"{k}_packed": functools.cache(
-        lambda k=k: [PackedLinear(w, linear.rows, k, linear.derived) for w in weights])
+        lambda k=k: [linear.kernel(k)] + [PackedLinear(w, linear.rows, k, linear.derived)
+                                          for w in weights[1:]])
         for k in candidates}
     runs: dict[str, Any] = {name: (lambda make=make: [p(x, bias) for p in make()])
                             for name, make in packed.items()}

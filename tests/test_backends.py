@@ -247,6 +247,112 @@ def test_the_fastest_verified_candidate_wins_and_only_it_is_rebuilt() -> None:
                        gradients=False)
 
 
+class _DriftingCost(CostModel):
+    """Given seconds, each measuring session slower than the last by ``drift``, as a machine
+    whose load changes between sessions (within one, interleaved rounds slow all alike)."""
+
+    def __init__(self, seconds: dict[str, float], drift: float) -> None:
+        super().__init__("cpu", CostCache.in_memory())
+        self.base, self.drift, self.timed = seconds, drift, []
+
+    def fastest(self, what: str, candidates: dict[str, Any], *_: Any, **__: Any,
+                ) -> tuple[str, dict[str, float]]:
+        factor = self.drift ** len(self.timed)
+        self.timed.append(sorted(candidates))
+        seconds = {name: self.base[name] * factor for name in candidates}
+        return min(seconds, key=seconds.__getitem__), seconds
+
+
+@pytest.mark.parametrize("onnxruntime_s, winner", [(1.8, "onnxruntime"), (3.9, "hybrid")])
+def test_candidates_are_timed_against_eager_with_the_packed_weights_dropped_meanwhile(
+        onnxruntime_s: float, winner: str) -> None:
+    events: list[str] = []
+
+    def lowering(name: str, memory: int = 0, packed: bool = False) -> Lowering:
+        def build() -> Any:
+            events.append(f"build {name}")
+            return lambda: name
+        return Lowering(name, build, verified=True, memory=memory,
+                        release=(lambda: events.append("release") or 100) if packed else None,
+                        restore=(lambda: events.append("restore")) if packed else None)
+
+    candidates = [lowering("aten", packed=True), lowering("hybrid", packed=True),
+                  lowering("inductor", memory=10), lowering("onnxruntime", memory=10)]
+    # Each later session runs 3x slower: compared by their own times, the first measured
+    # would always win; by their time over eager's, the fastest does.
+    cost = _DriftingCost({"eager": 4.0, "aten": 2.0, "hybrid": 1.9, "inductor": 3.0,
+                          "onnxruntime": onnxruntime_s}, drift=3.0)
+
+    def eager() -> str:
+        return "eager"
+
+    def choose() -> Any:
+        events.clear()
+        return choose_backend("whole graph", candidates, {}, verify=None,
+                              timer=lambda run: run, cost_model=cost, what="g",
+                              required=False, gradients=False, reference=eager)
+
+    run, choice = choose()
+    assert (run(), choice.chosen) == (winner, winner)
+    assert cost.timed == [["aten", "eager"], ["eager", "hybrid"], ["eager", "inductor"],
+                          ["eager", "onnxruntime"]]
+    # Dropped before each candidate with copies of its own is built; packed again at the end
+    # when the winner reads them.
+    assert events == ["build aten", "build hybrid", "release", "build inductor", "release",
+                      "build onnxruntime"] + (["restore"] if winner == "hybrid" else [])
+    ratios = {name: seconds / choice.seconds["aten"] for name, seconds in choice.seconds.items()}
+    assert ratios == pytest.approx({"aten": 1.0, "hybrid": 0.95, "inductor": 1.5,
+                                    "onnxruntime": onnxruntime_s / 2})
+    run, again = choose()  # cached: the winner alone is built, nothing timed
+    assert (run(), again.cached, again.seconds) == (winner, True, choice.seconds)
+    assert events == [f"build {winner}"] and len(cost.timed) == 4
+
+
+def test_onnxruntime_is_built_with_the_aten_lowerings_packed_weights_dropped(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # measured here, not read back
+    from autoopt.backends import whole_graph
+    from autoopt.passes.packed_linear import PackedLinear
+
+    graphs: list[Any] = []
+    real_release, real_lower = whole_graph.release_packed, ort.lower
+
+    def release(gm: Any) -> int:
+        graphs.append(gm)
+        return real_release(gm)
+
+    def kernels() -> list[PackedLinear]:
+        return [n.target for gm in graphs for n in gm.graph.nodes
+                if isinstance(n.target, PackedLinear)]
+
+    packed_while_built: list[bool] = []
+
+    def lower(*a: Any, **k: Any) -> Any:
+        packed_while_built.extend(kernel.packed is not None for kernel in kernels())
+        return real_lower(*a, **k)
+
+    monkeypatch.setattr(whole_graph, "release_packed", release)
+    monkeypatch.setattr(ort, "lower", lower)
+    model, args, kwargs = bert()
+    fast = autoopt.optimize(model, args, kwargs, backends=("aten", "onnxruntime"),
+                            pass_options={"packed_linear": {"measure": False}})
+    (choice,) = fast.report.backends
+    assert set(choice.seconds) == {"aten", "onnxruntime"}  # both built, verified, timed
+    assert packed_while_built and not any(packed_while_built)
+    # The winner runs the calls; aten's weights are packed again where it won.
+    assert all(kernel.packed is not None for kernel in kernels()) == (choice.chosen == "aten")
+    assert_same_function(model, fast, args, kwargs)
+
+
+def test_a_lone_candidate_is_not_timed() -> None:
+    cost = _DriftingCost({"eager": 1.0, "aten": 1.0}, drift=1.0)
+    run, choice = choose_backend(
+        "whole graph", [Lowering("aten", lambda: "a", verified=True)],
+        {"onnxruntime": "not installed"}, verify=None, timer=lambda run: run, cost_model=cost,
+        what="x", required=False, gradients=False, reference=lambda: "eager")
+    assert (run, choice.chosen, choice.seconds, cost.timed) == ("a", "aten", {}, [])
+
+
 class Branchy(nn.Module):
     """Two linears with a data-dependent branch between them: two Dynamo subgraphs."""
 

@@ -17,6 +17,7 @@ from autoopt.capture.graph import export_graph
 from autoopt.cost_model import CostCache, CostModel
 from autoopt.driver import portable
 from autoopt.passes import PassContext, onednn_conv
+from autoopt.passes.graph import release_packed, restore_packed
 from autoopt.passes.onednn_conv import PackedConv, available
 
 pytestmark = pytest.mark.skipif(not available(torch.device("cpu")),
@@ -72,6 +73,24 @@ def test_before_becomes_two_fused_calls() -> None:
     first, second = _onednn_calls(gm)
     assert (first.epilogue[0], first.add) == ("relu", False)
     assert (second.epilogue[0], second.add) == ("relu", True)
+
+
+def test_packed_weights_are_dropped_and_packed_again_to_the_same_results() -> None:
+    """The packed copies go while another backend is built; a call or ``restore_packed``
+    packs them again for the input shape they were packed for."""
+    model = Before().eval()
+    gm, _ = _rewrite(model, (2, 8, 10, 10))
+    x = torch.randn(2, 8, 10, 10)
+    with torch.no_grad():
+        expected = gm(x)
+        convs = _onednn_calls(gm)
+        assert release_packed(gm) == sum(c.weight.numel() * 4 for c in convs) > 0
+        assert all(c.packed is None for c in convs) and release_packed(gm) == 0
+        assert torch.equal(gm(x), expected)  # packed again as called
+        release_packed(gm)
+        restore_packed(gm)
+        assert all(c.packed is not None and c.shape == [2, 8, 10, 10] for c in convs)
+        assert torch.equal(gm(x), expected)
 
 
 # name -> (activation after the first conv, module kwargs of the convolutions)

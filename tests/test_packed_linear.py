@@ -20,6 +20,7 @@ from autoopt.capture.graph import export_graph
 from autoopt.cost_model import CostCache, CostModel
 from autoopt.driver import portable
 from autoopt.passes import PassContext, packed_linear
+from autoopt.passes.graph import release_packed, restore_packed
 from autoopt.passes.packed_linear import KERNELS, PackedLinear, available, kernels
 
 CPU = torch.device("cpu")
@@ -207,6 +208,41 @@ def test_optimize_on_bert_uses_it_and_exports_take_the_portable_graph(tmp_path: 
         torch.testing.assert_close(copy.deepcopy(fast)(ids).last_hidden_state, expected,
                                    rtol=1e-5, atol=1e-5)
     assert autoopt.export_onnx(fast, (ids,), tmp_path / "bert.onnx").ok
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_packed_weights_are_dropped_and_packed_again_to_the_same_results(kernel: str) -> None:
+    """While another backend is built and measured, the aten lowering's packed copies (and
+    merged Q/K/V weights, concatenated again from the model's) are dropped; a call, or
+    ``restore_packed``, packs them again: the same results."""
+    if kernel not in kernels(CPU):
+        pytest.skip(f"this PyTorch build has no {kernel} packed linear")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=128,
+                                     vocab_size=100)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    ids = torch.randint(0, 100, (2, 12))
+    fast = autoopt.optimize(model, (ids,), backends=("aten",), pass_options={
+        "packed_linear": {"measure": False, "kernel": kernel},
+        "merge_linear": {"measure": False}})
+    gm = fast.specializations[0].graph
+    packed = _packed_calls(gm)
+    merged = [k for k in packed if k.source is not None]
+    assert len(packed) >= 9 and len(merged) == 2  # Q/K/V of each layer merged
+    with torch.no_grad():
+        expected = fast(ids).last_hidden_state
+        assert release_packed(gm) >= sum(k.weight.numel() * 4 for k in packed)
+        assert all(k.packed is None for k in packed) and all(k.weight.is_meta for k in merged)
+        assert release_packed(gm) == 0  # nothing left to drop
+        assert torch.equal(fast(ids).last_hidden_state, expected)  # packed again as called
+        assert all(k.packed is not None for k in packed)
+        release_packed(gm)
+        restore_packed(gm)
+        assert all(k.packed is not None for k in packed)
+        assert all(k.weight.is_meta == (kernel == "onednn") for k in merged)
+        assert torch.equal(fast(ids).last_hidden_state, expected)
 
 
 @requires_mkl

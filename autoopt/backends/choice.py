@@ -2,12 +2,19 @@
 
 A candidate that cannot be built (not installed, an op it lacks, a compile error, more memory
 than ``optimize_memory`` or the free memory leaves) or whose results differ from eager is
-skipped with its reason; the verified ones are timed by the cost model on the real inputs, one
-at a time against the fastest so far (interleaved, the slower freed before the next is built),
-and the fastest runs the calls. The measurement is
-cached on disk under the graph's identity (its code, weights' shapes, inputs' shapes, the
-candidates, the device, thread count and library versions), so the next ``optimize`` of the
-same model builds and verifies only the winner.
+skipped with its reason; the verified ones are timed by the cost model on the real inputs and
+the fastest runs the calls. The measurement is cached on disk under the graph's identity (its
+code, weights' shapes, inputs' shapes, the candidates, the device, thread count and library
+versions), so the next ``optimize`` of the same model builds and verifies only the winner.
+
+Candidates are built one at a time, so that no two compilers' copies of the weights are alive
+together. Where eager's own call is given as the yardstick (a whole graph), each candidate is
+timed against it, interleaved, and candidates are compared by their time over eager's; the
+fastest so far may then drop what it can make again (the aten lowering's packed weights:
+0.8× a decoder's weights) before a candidate with copies of its own (Inductor's, ONNX
+Runtime's) is built, and packs it again if it stays fastest. Otherwise (a Dynamo subgraph) each
+candidate is timed against the fastest so far, and the slower one is freed before the next is
+built.
 """
 
 from __future__ import annotations
@@ -41,6 +48,9 @@ class Lowering:
     compiler's working set), checked against what optimize may still add.
     ``regions``: where it runs more than one kernel library, how the graph is split between
     them (for the report, when it is chosen).
+    ``release``: drops what the built callable holds and can make again (its packed weights),
+    returning the bytes dropped; the callable still works, making them again when called.
+    ``restore``: makes them again now.
     """
 
     name: str
@@ -48,13 +58,16 @@ class Lowering:
     verified: bool = False
     memory: int = 0
     regions: Callable[[], str] | None = None
+    release: Callable[[], int] | None = None
+    restore: Callable[[], None] | None = None
 
 
 def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str, str], *,
                    verify: Callable[[Callable[..., Any]], VerifyResult] | None,
                    timer: Callable[[Callable[..., Any]], Callable[[], Any]],
                    cost_model: CostModel, what: str, required: bool, gradients: bool,
-                   state: Sequence[Any] = ()) -> tuple[Callable[..., Any], BackendChoice]:
+                   state: Sequence[Any] = (), reference: Callable[..., Any] | None = None,
+                   ) -> tuple[Callable[..., Any], BackendChoice]:
     """The callable to run ``graph`` with, and the record of the choice.
 
     Args:
@@ -70,6 +83,8 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
         required: the user named this one backend: a failure raises instead of falling back.
         gradients: the timed runs need gradients enabled.
         state: what the timed runs may write, restored after them.
+        reference: eager's callable, the yardstick every candidate is timed against (see the
+            module's docstring); None: candidates are timed against each other.
     """
     skipped = dict(skipped)
     requested = [lowering.name for lowering in lowerings] + list(skipped)
@@ -113,10 +128,102 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
                 return run, BackendChoice(graph, lowering.name, stored, skipped, cached=True,
                                           regions=_regions(lowering))
 
-    # One candidate at a time: each is built, verified and timed against the fastest so far,
-    # and the slower one is dropped before the next is built, so that no two compilers'
-    # copies of the weights are alive together (Inductor's and ONNX Runtime's: +2 GiB on a
-    # 194 M-parameter decoder). The cache keeps the last pair, which holds the winner.
+    if reference is not None:
+        best, seconds = _against_eager(lowerings, build, reference, timer, cost_model, what,
+                                       requested, skipped, state, gradients)
+    else:
+        best, seconds = _against_best(lowerings, build, timer, cost_model, what, requested,
+                                      skipped, state, gradients)
+    if best is None:
+        reasons = "; ".join(f"{name}: {why}" for name, why in skipped.items())
+        hint = (f"Pass backends=({requested[0]!r}, 'aten') to fall back when it cannot."
+                if required else "Include 'aten' in backends= to always have a way to run it.")
+        raise ConfigError(f"no backend of {tuple(requested)} can execute the {graph} "
+                          f"({reasons}). {hint}")
+    chosen = next(lowering for lowering in lowerings if lowering.name == best[0])
+    if chosen.restore is not None:  # its packed weights, if dropped while another was built
+        with memory_profile.stage(f"backend {chosen.name} restore"):
+            chosen.restore()
+    return best[1], BackendChoice(graph, best[0], seconds, skipped, regions=_regions(chosen))
+
+
+_Build = Callable[[Lowering], "Callable[..., Any] | None"]
+
+
+def _timings(cost_model: CostModel, what: str, timed: dict[str, Callable[[], Any]],
+             state: Sequence[Any], gradients: bool,
+             cache_as: Sequence[str] | None = None) -> dict[str, float]:
+    """Each timed candidate's median seconds, interleaved rounds."""
+    return cost_model.fastest(
+        what, timed, repeats=_ROUNDS, state=state, grad=gradients, budget_s=_BUDGET_S,
+        cache_as=cache_as,
+        setup={n: fn.reset for n, fn in timed.items() if hasattr(fn, "reset")})[1]
+
+
+def _against_eager(lowerings: Sequence[Lowering], build: _Build, reference: Callable[..., Any],
+                   timer: Callable[[Callable[..., Any]], Callable[[], Any]],
+                   cost_model: CostModel, what: str, requested: Sequence[str],
+                   skipped: dict[str, str], state: Sequence[Any], gradients: bool,
+                   ) -> tuple[tuple[str, Callable[..., Any]] | None, dict[str, float]]:
+    """The fastest candidate by its time over eager's, each timed against eager alone, and
+    each one's seconds (on the scale of eager's first measured time)."""
+    best: tuple[Lowering, Callable[..., Any]] | None = None
+    ratios: dict[str, float] = {}
+    eager_s: list[float] = []
+    yardstick = timer(reference)
+
+    def measure(name: str, run: Callable[..., Any]) -> None:
+        if run is reference:  # the model as is (no pass changed it): eager, by definition
+            ratios[name] = 1.0
+            return
+        log.info("backend: measuring %s against eager", name)
+        try:
+            pair = _timings(cost_model, f"{what}|against eager",
+                            {name: timer(run), "eager": yardstick}, state, gradients)
+        except Exception as exc:  # noqa: BLE001 - a verified candidate that fails when timed
+            # It matched eager: it still runs if no other is measured.
+            skipped[name] = f"not measured: timing it raised {_first_line(exc)}"
+            ratios[name] = float("inf")
+            return
+        ratios[name] = pair[name] / pair["eager"]
+        eager_s.append(pair["eager"])
+
+    for lowering in lowerings:
+        if best is not None:
+            # Measured only once a second candidate comes: a lone candidate is not timed.
+            if best[0].name not in ratios:
+                measure(best[0].name, best[1])
+            if lowering.memory and best[0].release is not None:
+                dropped = best[0].release()
+                if dropped:
+                    log.info("backend: %s's packed weights (%.0f MiB) dropped while %s is "
+                             "built", best[0].name, dropped / 2**20, lowering.name)
+                    memory_profile.release_free_memory()
+        run = build(lowering)
+        if run is None:
+            continue
+        if best is not None:
+            measure(lowering.name, run)
+        if best is None or ratios[lowering.name] < ratios[best[0].name]:
+            best = (lowering, run)
+        del run
+        memory_profile.release_free_memory()
+    seconds = {name: ratio * eager_s[0] for name, ratio in ratios.items()
+               if eager_s and ratio != float("inf")}
+    if len(seconds) > 1:
+        cost_model.record(what, requested, seconds)
+    return (best[0].name, best[1]) if best is not None else None, seconds
+
+
+def _against_best(lowerings: Sequence[Lowering], build: _Build,
+                  timer: Callable[[Callable[..., Any]], Callable[[], Any]],
+                  cost_model: CostModel, what: str, requested: Sequence[str],
+                  skipped: dict[str, str], state: Sequence[Any], gradients: bool,
+                  ) -> tuple[tuple[str, Callable[..., Any]] | None, dict[str, float]]:
+    """The fastest candidate, each timed against the fastest so far (interleaved) and the
+    slower one freed before the next is built (Inductor's and ONNX Runtime's copies: +2 GiB on
+    a 194 M-parameter decoder, alive together); the cache keeps the last pair, which holds
+    the winner."""
     best: tuple[str, Callable[..., Any]] | None = None
     seconds: dict[str, float] = {}
     for lowering in lowerings:
@@ -126,14 +233,12 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
         if best is None:
             best = (lowering.name, run)
             continue
-        log.info("backend: measuring %s against %s on the %s", lowering.name, best[0], graph)
+        log.info("backend: measuring %s against %s", lowering.name, best[0])
         timed: dict[str, Callable[[], Any]] = {}
         try:
             timed = {best[0]: timer(best[1]), lowering.name: timer(run)}
-            winner, pair = cost_model.fastest(
-                what, timed, repeats=_ROUNDS, state=state, grad=gradients,
-                budget_s=_BUDGET_S, cache_as=requested,
-                setup={n: fn.reset for n, fn in timed.items() if hasattr(fn, "reset")})
+            pair = _timings(cost_model, what, timed, state, gradients, cache_as=requested)
+            winner = lowering.name if pair[lowering.name] < pair[best[0]] else best[0]
         except Exception as exc:  # noqa: BLE001 - a verified candidate that fails when timed
             # The preferred candidate still runs (both matched eager); the reason is kept.
             skipped[lowering.name] = (f"not measured: timing the candidates raised "
@@ -146,14 +251,7 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
         # The slower of the two (and its timer): its weights go before the next is built.
         del run, timed
         memory_profile.release_free_memory()
-    if best is None:
-        reasons = "; ".join(f"{name}: {why}" for name, why in skipped.items())
-        hint = (f"Pass backends=({requested[0]!r}, 'aten') to fall back when it cannot."
-                if required else "Include 'aten' in backends= to always have a way to run it.")
-        raise ConfigError(f"no backend of {tuple(requested)} can execute the {graph} "
-                          f"({reasons}). {hint}")
-    chosen = next(lowering for lowering in lowerings if lowering.name == best[0])
-    return best[1], BackendChoice(graph, best[0], seconds, skipped, regions=_regions(chosen))
+    return best, seconds
 
 
 def _regions(lowering: Lowering) -> str:

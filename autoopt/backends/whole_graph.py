@@ -7,6 +7,7 @@ lowerings) with why the others do not, and lets ``choose_backend`` verify and me
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from ..cost_model import CostModel
 from ..cost_model.estimate import value_spec
 from ..cost_model.isolation import written_placeholders
 from ..driver import portable
+from ..passes.graph import release_packed, restore_packed
 from ..report import BackendChoice
 from ..state import preserved
 from ..verify import VerifyResult, clone_inputs
@@ -67,9 +69,13 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
             run(*a, **k)
         return run
 
+    # The aten lowering's packed weights (hybrid calls the same kernels) can be dropped while
+    # a backend with its own copies is built, and packed again if aten or hybrid stays fastest.
+    packed = {"release": functools.partial(release_packed, gm),
+              "restore": functools.partial(restore_packed, gm)}
     for name in names:
         if name == "aten":
-            lowerings.append(Lowering("aten", lambda: aten, verified=True))
+            lowerings.append(Lowering("aten", lambda: aten, verified=True, **packed))
         elif name == "inductor":
             why = inductor.available() or (
                 "memory_budget's plan (recompute, offload) is applied to the aten graph, "
@@ -96,7 +102,7 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
                     gm, None if adapt is not None else clone_inputs(args, kwargs),
                     dynamic=dynamic,
                     settings=dict(config.backend_options.get("inductor", {}))))),
-                    regions=lambda: hybrid.regions(gm)))
+                    regions=lambda: hybrid.regions(gm), **packed))
         elif name == "onnxruntime":
             why = ort.available() or (
                 "inference only (ONNX Runtime computes no gradients)" if gradients else
@@ -137,7 +143,7 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
     return choose_backend("whole graph", lowerings, skipped, verify=verify, timer=timer,
                           cost_model=cost_model, what=what,
                           required=config.backend is not None, gradients=gradients,
-                          state=[module])
+                          state=[module], reference=module)
 
 
 class _Rerun:
