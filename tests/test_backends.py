@@ -89,6 +89,41 @@ def test_inductor_trains_with_eagers_gradients(name: str) -> None:
         torch.testing.assert_close(dict(fast.module.named_buffers())[name_], b)
 
 
+class TwoHeads(nn.Module):
+    """A trunk and a head: ``head`` reaches the second output only (BERT's pooler)."""
+
+    def __init__(self, shared_head: bool = False) -> None:
+        super().__init__()
+        self.trunk, self.head = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.shared_head = shared_head
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.trunk(x))
+        y = self.head(h)
+        return (h + 0 * y, y) if self.shared_head else (h, y)
+
+
+def test_inductor_is_not_used_where_a_parameter_reaches_only_some_outputs() -> None:
+    """A compiled backward is one autograd node: a loss on the first output hands it zeros
+    for the second, so the head would get zero gradients where eager leaves them None (and an
+    optimizer with weight decay would move it)."""
+    model, x = TwoHeads().train(), torch.randn(4, 8)
+    fast = autoopt.optimize(model, (x,), training=True, backends=("aten", "inductor"))
+    (choice,) = fast.report.backends
+    assert choice.chosen == "aten" and "reach only some" in choice.skipped["inductor"]
+    assert "head.weight" in choice.skipped["inductor"]
+    fast(x)[0].sum().backward()
+    model(x)[0].sum().backward()
+    assert fast.module.head.weight.grad is None and model.head.weight.grad is None
+    torch.testing.assert_close(fast.module.trunk.weight.grad, model.trunk.weight.grad)
+    with pytest.raises(ConfigError, match="reach only some"):
+        autoopt.optimize(TwoHeads().train(), (x,), training=True, backend="inductor")
+    # Where every parameter reaches every output, Inductor is a candidate.
+    fast = autoopt.optimize(TwoHeads(shared_head=True).train(), (x,), training=True,
+                            backend="inductor")
+    assert fast.specializations[0].backend == "inductor"
+
+
 def test_inductor_trains_with_dropout_drawing_eagers_masks() -> None:
     """A training graph with dropout: Inductor draws the masks with ATen's random ops
     (``fallback_random``), so its step is eager's on the same RNG and verification keeps it

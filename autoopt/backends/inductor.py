@@ -13,11 +13,12 @@ from __future__ import annotations
 import importlib.util
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
+from torch.utils import _pytree as pytree
 
 from ..driver import copy_graph_module
 
@@ -75,6 +76,73 @@ def lower(gm: GraphModule, *, dynamic: bool, gradients: bool,
     graph = copy_graph_module(gm)
     return InductorGraph(torch.compile(graph, backend="inductor", fullgraph=True,
                                        dynamic=dynamic, options=options))
+
+
+def partial_gradients(gm: GraphModule, inputs: Sequence[Any] | None = None) -> str:
+    """Why a compiled backward would differ from eager's on ``gm``, or ''.
+
+    A compiled graph with gradients is one autograd node for all its outputs: where the loss
+    reads only some outputs, autograd hands it zeros for the others, so a parameter that
+    reaches only those others gets a gradient of zeros where eager leaves it None (BERT's
+    pooler under a loss on the hidden states; ``torch.compile`` does the same). An optimizer
+    then steps that parameter (weight decay, momentum) where eager's would skip it. So each
+    trainable parameter (a ``get_attr`` tensor, or a placeholder whose example in ``inputs``
+    requires grad) must reach every differentiable output or none. Reach is followed through
+    floating-point values only (an integer result, ``argmax``, carries no gradient)."""
+    nodes = list(gm.graph.nodes)
+    output = next((n for n in reversed(nodes) if n.op == "output"), None)
+    if output is None:
+        return ""
+    leaves = [(i, leaf) for i, leaf in enumerate(pytree.tree_leaves(output.args))
+              if isinstance(leaf, Node) and _floating(leaf)]
+    reach: dict[Node, frozenset[int]] = {}
+    for node in reversed(nodes):
+        found: set[int] = {i for i, leaf in leaves if leaf is node}
+        for user in node.users:
+            if user.op != "output" and _floating(user) and user.target not in _NO_GRADIENT:
+                found |= reach.get(user, frozenset())
+        reach[node] = frozenset(found)
+    sources: dict[str, frozenset[int]] = {}
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
+        example = inputs[i] if inputs is not None and i < len(inputs) else None
+        if isinstance(example, torch.Tensor) and example.requires_grad:
+            sources[str(node.target)] = reach[node]
+    for node in nodes:
+        if node.op == "get_attr":
+            value = _attribute(gm, str(node.target))
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                sources[str(node.target)] = reach[node]
+    differentiable = frozenset().union(*sources.values()) if sources else frozenset()
+    partial = sorted(name for name, found in sources.items()
+                     if found and found != differentiable)
+    if not partial:
+        return ""
+    return (f"with gradients, {', '.join(partial[:3])}{' …' if len(partial) > 3 else ''} "
+            f"reach only some of the graph's {len(differentiable)} differentiable outputs: a "
+            f"compiled backward would give them zeros where eager gives None (a loss on the "
+            f"other outputs)")
+
+
+# Calls whose floating-point result carries no gradient back to their inputs.
+_NO_GRADIENT = {torch.ops.aten.detach.default, torch.Tensor.detach, "detach"}
+
+
+def _floating(node: Node) -> bool:
+    """Whether ``node``'s value (or any part of it) is a floating-point tensor (an unknown
+    value counts as one)."""
+    value = node.meta.get("val", node.meta.get("example_value"))
+    if value is None:
+        return True
+    tensors = [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+    return any(t.dtype.is_floating_point or t.dtype.is_complex for t in tensors)
+
+
+def _attribute(gm: GraphModule, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
 
 
 def memory_estimate(gm: GraphModule, gradients: bool) -> int:

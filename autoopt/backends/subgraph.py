@@ -40,7 +40,8 @@ def lower_subgraph(optimized: GraphModule, example_inputs: Sequence[Any], inputs
         if name == "aten":
             lowerings.append(Lowering("aten", lambda: optimized, verified=True))
         elif name == "inductor":
-            why = inductor.available()
+            why = inductor.available() or (
+                inductor.partial_gradients(optimized, inputs) if gradients else "")
             if why:
                 skipped[name] = why
             else:

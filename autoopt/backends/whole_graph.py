@@ -18,6 +18,7 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
+from ..capture.graph import flat_example_inputs
 from ..config import OptimizeConfig
 from ..cost_model import CostModel
 from ..cost_model.estimate import value_spec
@@ -79,7 +80,10 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
         elif name == "inductor":
             why = inductor.available() or (
                 "memory_budget's plan (recompute, offload) is applied to the aten graph, "
-                "and Inductor would plan saved activations its own way" if memory_plan else "")
+                "and Inductor would plan saved activations its own way" if memory_plan else
+                inductor.partial_gradients(source, [] if adapt is not None else
+                                           flat_example_inputs(source, args, kwargs))
+                if gradients else "")
             if why:
                 skipped[name] = why
             else:
