@@ -184,15 +184,18 @@ def test_each_packed_linear_is_a_matmul_with_its_own_cost_key() -> None:
         assert {op_family(n) for n in onednn} == {"matmul"}
 
 
-@requires_mkl
-def test_optimize_on_bert_uses_it_and_exports_take_the_portable_graph(tmp_path: Path) -> None:
+def _small_bert() -> tuple[nn.Module, torch.Tensor]:
     transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2,
                                      num_attention_heads=4, intermediate_size=128,
                                      vocab_size=100)
     torch.manual_seed(0)
-    model = transformers.BertModel(config).eval()
-    ids = torch.randint(0, 100, (2, 12))
+    return transformers.BertModel(config).eval(), torch.randint(0, 100, (2, 12))
+
+
+@requires_mkl
+def test_optimize_on_bert_uses_it_and_exports_take_the_portable_graph(tmp_path: Path) -> None:
+    model, ids = _small_bert()
     fast = autoopt.optimize(model, (ids,), pass_options={"packed_linear": {"measure": False}})
     record = next(p for p in fast.report.captures[0].passes if p.name == "packed_linear")
     gm = fast.specializations[0].graph
@@ -217,13 +220,7 @@ def test_packed_weights_are_dropped_and_packed_again_to_the_same_results(kernel:
     ``restore_packed``, packs them again: the same results."""
     if kernel not in kernels(CPU):
         pytest.skip(f"this PyTorch build has no {kernel} packed linear")
-    transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, intermediate_size=128,
-                                     vocab_size=100)
-    torch.manual_seed(0)
-    model = transformers.BertModel(config).eval()
-    ids = torch.randint(0, 100, (2, 12))
+    model, ids = _small_bert()
     fast = autoopt.optimize(model, (ids,), backends=("aten",), pass_options={
         "packed_linear": {"measure": False, "kernel": kernel},
         "merge_linear": {"measure": False}})
