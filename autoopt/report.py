@@ -40,6 +40,8 @@ class BackendChoice:
             same graph, shapes, device, thread count and library versions).
         regions: for a backend that splits the graph between kernel libraries (``hybrid``),
             how: autoopt's kernel calls and the regions Inductor generates between them.
+        eager_s: the model's own eager call, where the candidates were timed against it
+            (a whole graph): ``eager_s / seconds[chosen]`` is the chosen backend's speedup.
     """
 
     graph: str
@@ -48,10 +50,13 @@ class BackendChoice:
     skipped: dict[str, str] = field(default_factory=dict)
     cached: bool = False
     regions: str = ""
+    eager_s: float | None = None
 
     def describe(self) -> str:
         timed = ", ".join(f"{n} {s * 1e3:.3g} ms" for n, s in
                           sorted(self.seconds.items(), key=lambda item: item[1]))
+        if timed and self.eager_s:
+            timed += f"; eager {self.eager_s * 1e3:.3g} ms"
         text = f"backend {self.chosen} for the {self.graph}"
         if self.regions:
             text += f" ({self.regions})"

@@ -338,8 +338,11 @@ def test_candidates_are_timed_against_eager_with_the_packed_weights_dropped_mean
     ratios = {name: seconds / choice.seconds["aten"] for name, seconds in choice.seconds.items()}
     assert ratios == pytest.approx({"aten": 1.0, "hybrid": 0.95, "inductor": 1.5,
                                     "onnxruntime": onnxruntime_s / 2})
+    # Eager's time of the first session, the scale of every candidate's seconds.
+    assert choice.eager_s == 4.0 and "; eager 4e+03 ms" in choice.describe()
     run, again = choose()  # cached: the winner alone is built, nothing timed
     assert (run(), again.cached, again.seconds) == (winner, True, choice.seconds)
+    assert again.eager_s == 4.0
     assert events == [f"build {winner}"] and len(cost.timed) == 4
 
 

@@ -121,16 +121,19 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
 
     stored = cost_model.recorded(what, requested)
     if stored:
+        eager = cost_model.recorded(f"{what}|eager", [_EAGER]) or {}
         for lowering in sorted((lw for lw in lowerings if lw.name in stored),
                                key=lambda lw: stored[lw.name]):
             run = build(lowering)
             if run is not None:
                 return run, BackendChoice(graph, lowering.name, stored, skipped, cached=True,
-                                          regions=_regions(lowering))
+                                          regions=_regions(lowering),
+                                          eager_s=eager.get(_EAGER))
 
+    eager_s = None
     if reference is not None:
-        best, seconds = _against_eager(lowerings, build, reference, timer, cost_model, what,
-                                       requested, skipped, state, gradients)
+        best, seconds, eager_s = _against_eager(lowerings, build, reference, timer, cost_model,
+                                                what, requested, skipped, state, gradients)
     else:
         best, seconds = _against_best(lowerings, build, timer, cost_model, what, requested,
                                       skipped, state, gradients)
@@ -144,9 +147,11 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
     if chosen.restore is not None:  # its packed weights, if dropped while another was built
         with memory_profile.stage(f"backend {chosen.name} restore"):
             chosen.restore()
-    return best[1], BackendChoice(graph, best[0], seconds, skipped, regions=_regions(chosen))
+    return best[1], BackendChoice(graph, best[0], seconds, skipped, regions=_regions(chosen),
+                                  eager_s=eager_s)
 
 
+_EAGER = "eager"
 _Build = Callable[[Lowering], "Callable[..., Any] | None"]
 
 
@@ -164,9 +169,10 @@ def _against_eager(lowerings: Sequence[Lowering], build: _Build, reference: Call
                    timer: Callable[[Callable[..., Any]], Callable[[], Any]],
                    cost_model: CostModel, what: str, requested: Sequence[str],
                    skipped: dict[str, str], state: Sequence[Any], gradients: bool,
-                   ) -> tuple[tuple[str, Callable[..., Any]] | None, dict[str, float]]:
-    """The fastest candidate by its time over eager's, each timed against eager alone, and
-    each one's seconds (on the scale of eager's first measured time)."""
+                   ) -> tuple[tuple[str, Callable[..., Any]] | None, dict[str, float],
+                              float | None]:
+    """The fastest candidate by its time over eager's, each timed against eager alone, each
+    one's seconds (on the scale of eager's first measured time), and that time."""
     best: tuple[Lowering, Callable[..., Any]] | None = None
     ratios: dict[str, float] = {}
     eager_s: list[float] = []
@@ -179,14 +185,14 @@ def _against_eager(lowerings: Sequence[Lowering], build: _Build, reference: Call
         log.info("backend: measuring %s against eager", name)
         try:
             pair = _timings(cost_model, f"{what}|against eager",
-                            {name: timer(run), "eager": yardstick}, state, gradients)
+                            {name: timer(run), _EAGER: yardstick}, state, gradients)
         except Exception as exc:  # noqa: BLE001 - a verified candidate that fails when timed
             # It matched eager: it still runs if no other is measured.
             skipped[name] = f"not measured: timing it raised {_first_line(exc)}"
             ratios[name] = float("inf")
             return
-        ratios[name] = pair[name] / pair["eager"]
-        eager_s.append(pair["eager"])
+        ratios[name] = pair[name] / pair[_EAGER]
+        eager_s.append(pair[_EAGER])
 
     for lowering in lowerings:
         if best is not None:
@@ -211,8 +217,10 @@ def _against_eager(lowerings: Sequence[Lowering], build: _Build, reference: Call
     seconds = {name: ratio * eager_s[0] for name, ratio in ratios.items()
                if eager_s and ratio != float("inf")}
     if len(seconds) > 1:
+        cost_model.record(f"{what}|eager", [_EAGER], {_EAGER: eager_s[0]})
         cost_model.record(what, requested, seconds)
-    return (best[0].name, best[1]) if best is not None else None, seconds
+    return ((best[0].name, best[1]) if best is not None else None, seconds,
+            eager_s[0] if seconds else None)
 
 
 def _against_best(lowerings: Sequence[Lowering], build: _Build,
