@@ -21,6 +21,7 @@ from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
 from ..driver import copy_graph_module
+from ..passes.graph import attr, meta_val
 
 
 class InductorGraph:
@@ -93,11 +94,13 @@ def partial_gradients(gm: GraphModule, inputs: Sequence[Any] | None = None) -> s
     output = next((n for n in reversed(nodes) if n.op == "output"), None)
     if output is None:
         return ""
-    leaves = [(i, leaf) for i, leaf in enumerate(pytree.tree_leaves(output.args))
-              if isinstance(leaf, Node) and _floating(leaf)]
+    outputs: dict[Node, set[int]] = {}
+    for i, leaf in enumerate(pytree.tree_leaves(output.args)):
+        if isinstance(leaf, Node) and _floating(leaf):
+            outputs.setdefault(leaf, set()).add(i)
     reach: dict[Node, frozenset[int]] = {}
     for node in reversed(nodes):
-        found: set[int] = {i for i, leaf in leaves if leaf is node}
+        found = set(outputs.get(node, ()))
         for user in node.users:
             if user.op != "output" and _floating(user) and user.target not in _NO_GRADIENT:
                 found |= reach.get(user, frozenset())
@@ -110,7 +113,7 @@ def partial_gradients(gm: GraphModule, inputs: Sequence[Any] | None = None) -> s
             sources[str(node.target)] = reach[node]
     for node in nodes:
         if node.op == "get_attr":
-            value = _attribute(gm, str(node.target))
+            value = attr(gm, node)
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 sources[str(node.target)] = reach[node]
     differentiable = frozenset().union(*sources.values()) if sources else frozenset()
@@ -131,18 +134,11 @@ _NO_GRADIENT = {torch.ops.aten.detach.default, torch.Tensor.detach, "detach"}
 def _floating(node: Node) -> bool:
     """Whether ``node``'s value (or any part of it) is a floating-point tensor (an unknown
     value counts as one)."""
-    value = node.meta.get("val", node.meta.get("example_value"))
+    value = meta_val(node)
     if value is None:
         return True
     tensors = [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
     return any(t.dtype.is_floating_point or t.dtype.is_complex for t in tensors)
-
-
-def _attribute(gm: GraphModule, target: str) -> Any:
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part, None)
-    return value
 
 
 def memory_estimate(gm: GraphModule, gradients: bool) -> int:
