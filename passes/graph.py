@@ -81,6 +81,21 @@ def meta_val(node: Any) -> Any:
     return node.meta.get("val", node.meta.get("example_value"))
 
 
+def size_hints(value: Any) -> tuple[int, ...] | None:
+    """A tensor's sizes as ints, each symbolic one (a graph captured with ``dynamic=``) as the
+    value it was traced with: the shape a measurement runs at. None where a size has no such
+    value, or ``value`` is not a tensor."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    sizes = []
+    for s in value.shape:
+        hint = s if isinstance(s, int) else getattr(getattr(s, "node", None), "hint", None)
+        if not isinstance(hint, int):
+            return None
+        sizes.append(hint)
+    return tuple(sizes)
+
+
 def attr(gm: GraphModule, target: Any) -> Any:
     """The object a ``get_attr`` target (or node) names on ``gm``; None if absent."""
     if isinstance(target, Node):

@@ -28,7 +28,7 @@ from autoopt.cost_model import allowance as memory
 
 from . import ops
 from .base import PassContext, PassResult
-from .graph import add_constant, call_kwargs, constant_tensor, meta_val
+from .graph import add_constant, call_kwargs, constant_tensor, meta_val, size_hints
 
 log = logging.getLogger(__name__)
 
@@ -150,9 +150,10 @@ def _pays(ctx: PassContext, x_meta: torch.Tensor, weights: Sequence[torch.Tensor
     """Whether the merged form measures at least as fast as the separate linears, on a random
     input of the real shape. The stacked copy of the weights is made only to measure it, and
     not at all where this shape's choice is cached (a decoder's repeated layers)."""
-    if not all(isinstance(s, int) for s in x_meta.shape):
-        return False  # a symbolic size: no single shape to measure at
-    x = torch.randn(x_meta.shape, dtype=x_meta.dtype, device=weights[0].device)
+    shape = size_hints(x_meta)  # a symbolic size (``dynamic=``): measured as traced
+    if shape is None:
+        return False  # no single shape to measure at
+    x = torch.randn(shape, dtype=x_meta.dtype, device=weights[0].device)
     sizes = [w.shape[0] for w in weights]
     what = (f"linear_group|{tuple(x.shape)}|{[tuple(w.shape) for w in weights]}|{x.dtype}|"
             f"bias={[b is not None for b in biases]}")

@@ -56,6 +56,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from autoopt.cost_model import allowance as memory
 from autoopt.cost_model.device import cpu_cache_bytes
@@ -71,7 +74,7 @@ from autoopt.cost_model.isolation import is_read_only
 
 from . import ops
 from .base import PassContext, PassResult
-from .graph import attr, call_kwargs, constant_tensor, meta_val
+from .graph import attr, call_kwargs, constant_tensor, meta_val, size_hints
 from .merge_linear import CONCATENATED
 
 log = logging.getLogger(__name__)
@@ -107,7 +110,7 @@ class PackedLinear:
             raise ValueError(f"packed_linear: no kernel {kernel!r} (known: {KERNELS})")
         self.kernel = kernel
         self.__name__ = f"{kernel}_linear"  # what FX prints and names the call's global
-        self.weight, self.rows, self.source = weight, rows, source
+        self.weight, self.rows, self.source, self.derived = weight, rows, source, derived
         self.packed: torch.Tensor | None = self._pack()
         if kernel == "onednn" and derived:
             # oneDNN runs on the packed copy alone: holding a weight a pass made (a merged
@@ -164,14 +167,11 @@ class PackedLinear:
         self.packed, self.threads = self._pack(), torch.get_num_threads()
 
     def _pack(self, weight: torch.Tensor | None = None) -> torch.Tensor:
-        weight = (self.weight if weight is None else weight).contiguous()
+        weight = self.weight if weight is None else weight
         if self.kernel == "onednn":
-            # Without the row-count hint: the layout oneDNN picks for one row streams from
-            # memory at 2/3 the speed of its default one (GPT-2's layers at 1 thread on an AMD
-            # EPYC, weights out of cache: 16.5 against 10.7 ms a token), which is as fast
-            # (within 3%) from 4 to 64 rows and faster at 256.
-            return torch.ops.mkldnn._reorder_linear_weight(weight)
-        return torch.ops.mkl._mkl_reorder_linear_weight(weight, self.rows)
+            return _onednn_packed(weight, None if self.derived and self.source is None
+                                  else _identity(self.source, weight))
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), self.rows)
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The same function in ATen, on the unpacked weight."""
@@ -188,6 +188,67 @@ class PackedLinear:
         return f"{self.__name__}(weight={tuple(self.weight.shape)}, rows={self.rows})"
 
 
+# oneDNN's packed weights by what they were packed from. The layout depends on the values
+# alone (no row count, no thread count), so every graph of one model (its example call, a
+# decode step, a prompt step) calls one copy. An entry lives as long as some graph holds the
+# copy, and that graph holds the weights it names: their addresses are not reused meanwhile.
+_SHARED: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+_SHARED_LOCK = threading.Lock()
+_SAMPLES = 64
+
+
+class _Concatenation:
+    """Makes a merged weight again from the model's weights (a ``source``), which it names."""
+
+    def __init__(self, parts: list[torch.Tensor]) -> None:
+        self.parts = parts
+
+    def __call__(self) -> torch.Tensor:
+        return torch.cat(self.parts)
+
+
+def _identity(source: Callable[[], torch.Tensor] | None,
+              weight: torch.Tensor) -> tuple[Any, ...]:
+    """The model's tensors a weight is made from, each by address, layout and version."""
+    tensors = source.parts if isinstance(source, _Concatenation) else [weight]
+    return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
+                 for t in tensors)
+
+
+def _sample(weight: torch.Tensor) -> torch.Tensor:
+    # A linear's weight is contiguous or the transposed view of one (GPT-2's Conv1D): no copy.
+    flat = (weight if weight.is_contiguous() else weight.t()).detach().reshape(-1)
+    return flat[::max(1, flat.numel() // _SAMPLES)].clone()
+
+
+def _onednn_packed(weight: torch.Tensor, key: tuple[Any, ...] | None) -> torch.Tensor:
+    """``weight`` in oneDNN's blocked layout, the copy another graph holds where one packed
+    the same tensors (same addresses, versions and sampled values: a write through ``.data``
+    bumps no version). ``key`` None: a weight a pass made, packed on its own.
+
+    Without the row-count hint: the layout oneDNN picks for one row streams from memory at 2/3
+    the speed of its default one (GPT-2's layers at 1 thread on an AMD EPYC, weights out of
+    cache: 16.5 against 10.7 ms a token), which is as fast (within 3%) from 4 to 64 rows and
+    faster at 256."""
+    sample = _sample(weight) if key is not None else None
+    if key is not None:
+        with _SHARED_LOCK:
+            ref, saved = _SHARED.get(key, (None, None))
+        packed = ref() if ref is not None else None
+        if packed is not None and torch.equal(saved, sample):
+            return packed
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+    if key is not None:
+        def forget(_: Any, key: tuple[Any, ...] = key) -> None:
+            with _SHARED_LOCK:
+                entry = _SHARED.get(key)
+                if entry is not None and entry[0]() is None:
+                    del _SHARED[key]
+        with _SHARED_LOCK:
+            _SHARED[key] = (weakref.ref(packed, forget), sample)
+    return packed
+
+
 @dataclass(frozen=True)
 class _Linear:
     node: Node
@@ -198,6 +259,10 @@ class _Linear:
     derived: bool = False  # a constant a pass made (read-only), not the model's own weight
     cold: bool = False  # read from memory on every call, and bound by that read (_COLD_ROWS)
     source: Callable[[], torch.Tensor] | None = None  # makes a merged weight again
+    # The row count is symbolic (``dynamic=``): ``rows`` and ``shape`` are the sizes it was
+    # traced with, where it is measured; any other count runs through the same kernel.
+    dynamic: bool = False
+    shape: tuple[int, ...] = ()  # the input's, as measured
 
     def kernel(self, name: str) -> PackedLinear:
         return PackedLinear(self.weight, self.rows, name, self.derived, self.source)
@@ -260,7 +325,8 @@ def packed_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
                 counts["linear_kept_aten"] += 1
                 continue
         else:
-            kernel = linear.kernel(default)
+            usable = _usable(linear, candidates)
+            kernel = linear.kernel(default if default in usable or not usable else usable[0])
         with graph.inserting_before(node):
             fused = graph.call_function(kernel, (linear.input, linear.bias))
         fused.meta = dict(node.meta)
@@ -295,7 +361,7 @@ def _measure_first(gm: GraphModule, ctx: PassContext, candidates: tuple[str, ...
             if linear is None:
                 continue
         copies = _rotation(linear)  # a cold measurement's copies; the aten candidate's too
-        need = (len(candidates) + (copies > 1)) * copies * _bytes(linear.weight)
+        need = (len(_usable(linear, candidates)) + (copies > 1)) * copies * _bytes(linear.weight)
         if not memory.allowance().shortfall(need, "packed_linear's packed weights"):
             _choose(gm, ctx, linear, candidates, chosen)
     return chosen
@@ -304,8 +370,9 @@ def _measure_first(gm: GraphModule, ctx: PassContext, candidates: tuple[str, ...
 def _eligible(gm: GraphModule, node: Node, cold: bool = False,
               lazy: bool = False) -> _Linear | None:
     """The linear's parts, if MKL's packed GEMM computes exactly what the node does: an fp32
-    input of static shape, a constant 2-D fp32 weight, a constant bias of the output's width
-    (or none), and for ``addmm`` no scaling (``beta = alpha = 1``)."""
+    input whose row sizes are static or symbolic with a traced value (``dynamic``) and whose
+    width is static, a constant 2-D fp32 weight, a constant bias of the output's width (or
+    none), and for ``addmm`` no scaling (``beta = alpha = 1``)."""
     # ATen level: a lowering pass, run on export graphs, reading ATen's argument names.
     if node.op != "call_function" or node.target not in (ops.LINEAR | ops.ADDMM | ops.MM).aten:
         return None
@@ -326,22 +393,23 @@ def _eligible(gm: GraphModule, node: Node, cold: bool = False,
         weight = rhs.t() if rhs is not None else None  # a view: F.linear's layout, no copy
         derived, source = rhs is not None and is_read_only(rhs), None
     value = meta_val(x)
+    shape = size_hints(value)
     if (weight is None or weight.dim() != 2 or weight.dtype != torch.float32
-            or weight.is_mkldnn
-            or not isinstance(value, torch.Tensor) or value.dtype != torch.float32
-            or value.dim() < 1 or value.device.type != "cpu"
-            or not all(isinstance(s, int) for s in value.shape)
-            or value.shape[-1] != weight.shape[1]):
+            or weight.is_mkldnn or shape is None
+            or value.dtype != torch.float32 or value.dim() < 1 or value.device.type != "cpu"
+            or not is_concrete_int(value.shape[-1]) or shape[-1] != weight.shape[1]):
         return None
     if bias is not None:
         b = constant_tensor(gm, bias)
         if b is None or b.dtype != torch.float32 or tuple(b.shape) != (weight.shape[0],):
             return None
-    rows = math.prod(value.shape[:-1])
+    rows = math.prod(shape[:-1])
     if rows == 0:
         return None
+    # Not ``shape != value.shape``: comparing a symbolic size adds a guard to the graph.
+    dynamic = not all(map(is_concrete_int, value.shape))
     return _Linear(node, x, weight.detach(), bias, rows, derived, cold and rows <= _COLD_ROWS,
-                   source)
+                   source, dynamic, shape)
 
 
 def _constant_weight(gm: GraphModule, node: Any, lazy: bool = False,
@@ -358,16 +426,23 @@ def _constant_weight(gm: GraphModule, node: Any, lazy: bool = False,
         if parts and all(p is not None for p in parts):
             if lazy:
                 return torch.cat([p.detach().to("meta") for p in parts]), True, None
-            detached = [p.detach() for p in parts]  # the model's weights: holding them is free
-            return torch.cat(detached), True, functools.partial(torch.cat, detached)
+            # The model's weights: holding them is free.
+            source = _Concatenation([p.detach() for p in parts])
+            return source(), True, source
     return None, False, None
 
 
 def _what(linear: _Linear, bias: bool) -> str:
     """The cost model's name for this linear's kernel choice."""
-    rows = tuple(meta_val(linear.input).shape)
-    return (f"linear|{rows}|{tuple(linear.weight.shape)}|{torch.float32}|bias={bias}"
-            + ("|cold" if linear.cold else ""))
+    return (f"linear|{linear.shape}|{tuple(linear.weight.shape)}|{torch.float32}|bias={bias}"
+            + ("|cold" if linear.cold else "") + ("|dynamic" if linear.dynamic else ""))
+
+
+def _usable(linear: _Linear, candidates: tuple[str, ...]) -> tuple[str, ...]:
+    """The kernels that serve this linear at every row count it may see: MKL's packed GEMM
+    runs only at the row count it packed for (``aten.linear`` at any other), so a symbolic
+    count leaves oneDNN, whose blocked weight serves any."""
+    return tuple(k for k in candidates if k != "mkl") if linear.dynamic else candidates
 
 
 def _copies(ctx: PassContext, linear: _Linear, candidates: tuple[str, ...],
@@ -377,6 +452,7 @@ def _copies(ctx: PassContext, linear: _Linear, candidates: tuple[str, ...],
     ATen) or not measured."""
     if not measure:
         return 1
+    candidates = _usable(linear, candidates)
     what = _what(linear, linear.bias is not None)
     if what in chosen:
         return int(chosen[what] != "aten")
@@ -435,8 +511,8 @@ def _choose(gm: GraphModule, ctx: PassContext, linear: _Linear,
     if what in chosen:
         best = chosen[what]
         return None if best == "aten" else linear.kernel(best.removesuffix("_packed"))
-    value = meta_val(linear.input)
-    x = torch.randn(value.shape, dtype=value.dtype)
+    candidates = _usable(linear, candidates)
+    x = torch.randn(linear.shape, dtype=torch.float32)
     # Cold: each run sweeps copies of the weight that together outgrow the last-level cache,
     # as a decoder's step streams its layers (a single call after evicting the cache measured
     # ATen ahead at 768x768, one row; in the model and in a sweep oneDNN ran 1.2-1.4x faster).

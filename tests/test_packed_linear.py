@@ -4,6 +4,7 @@ GEMM."""
 from __future__ import annotations
 
 import copy
+import gc
 import importlib
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,7 @@ from autoopt.cost_model import CostCache, CostModel
 from autoopt.driver import portable
 from autoopt.passes import PassContext, packed_linear
 from autoopt.passes.graph import release_packed, restore_packed
-from autoopt.passes.packed_linear import KERNELS, PackedLinear, available, kernels
+from autoopt.passes.packed_linear import _SHARED, KERNELS, PackedLinear, available, kernels
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not available(CPU),
@@ -148,13 +149,40 @@ def test_does_not_fire_where_the_kernel_would_compute_something_else() -> None:
 
 
 @requires_mkl
-def test_does_not_fire_when_training_for_a_cuda_target_or_on_symbolic_shapes() -> None:
+def test_does_not_fire_when_training_or_for_a_cuda_target() -> None:
     x = torch.randn(2, 5, 16)
     assert _rewrite(Before(), x, training=True)[1] == {}
     assert _rewrite(Before(), x, device=torch.device("cuda"))[1] == {}
+
+
+@requires_onednn
+@pytest.mark.parametrize("choice", ["onednn_packed", "mkl_packed", None])
+def test_symbolic_row_counts_are_measured_as_traced_on_kernels_that_take_any_count(
+        choice: str | None) -> None:
+    """A graph captured with ``dynamic=`` (a prompt of any length) is measured at the sizes it
+    was traced with; MKL's packed GEMM, which serves only the row count it packed for, is not
+    offered. The graph stays symbolic: the pass adds no guard on the sizes."""
+    model = Before().eval()
     with torch.no_grad():
-        gm = export_graph(Before().eval(), (x,), {}, dynamic=True)
-    assert not packed_linear(gm, PassContext()).modified
+        gm = export_graph(model, (torch.randn(2, 5, 16),), {}, dynamic=True)
+    placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder"
+                       and n.meta["val"].dim() == 3)
+    env = placeholder.meta["val"].shape[0].node.shape_env
+    guards = len(env.guards)
+    cost = Chooses(choice) if choice is not None else None
+    result = packed_linear(gm, PassContext(cost=cost))
+    if cost is not None:
+        assert cost.offered == [{"onednn_packed", "aten"}] * 2
+        assert [what.split("|")[1] for what, _ in cost.asked] == ["(2, 5, 16)", "(2, 5, 48)"]
+        assert all(what.endswith("|dynamic") for what, _ in cost.asked)
+    if choice == "mkl_packed":  # not offered: ATen stays
+        assert dict(result.counts) == {"linear_kept_aten": 2}
+    else:  # measured oneDNN, or no cost model: the kernel for any row count, not MKL's
+        assert dict(result.counts) == {"linear": 2, "onednn": 2}
+        assert _kernels_called(result.graph_module) == ["onednn", "onednn"]
+    assert len(env.guards) == guards  # no size compared, none specialized
+    for shape in [(2, 5, 16), (3, 7, 16), (1, 9, 16)]:
+        _assert_same_gemm(gm, model, shape)
 
 
 def test_the_cost_model_chooses_and_remembers(tmp_path: Path) -> None:
@@ -449,8 +477,9 @@ def test_onednn_packs_in_its_default_layout_whatever_the_row_count(
     reorder = torch.ops.mkldnn._reorder_linear_weight
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight",
                         lambda *args: calls.append(args[1:]) or reorder(*args))
-    weight, x = torch.randn(8, 16), torch.randn(1, 16)
+    x = torch.randn(1, 16)
     for rows in (1, 32):
+        weight = torch.randn(8, 16)  # its own: one weight's copy is shared across row counts
         linear = PackedLinear(weight, rows, "onednn")
         torch.testing.assert_close(linear(x, None), F.linear(x, weight))
     assert calls == [(), ()]
@@ -465,3 +494,28 @@ def test_a_linear_over_many_rows_is_measured_warm_even_where_weights_outgrow_the
     cost = Chooses("aten")
     _rewrite(Before(), torch.randn(2, 9, 16), cost=cost)  # 18 rows
     assert [c for _, c in cost.asked] == [False, False] and cost.sweeps == [1, 1]
+
+
+@requires_onednn
+def test_graphs_of_one_model_share_one_onednn_copy_of_each_weight_until_it_is_written() -> None:
+    """oneDNN's layout depends on the weight alone: graphs of one model (an example call, a
+    decode step, a prompt step) call one packed copy, and a written weight gets a new one."""
+    model = Before().eval()
+    onednn = {"options": {"kernel": "onednn"}}
+    first, _ = _rewrite(model, torch.randn(2, 5, 16), **onednn)
+    second, _ = _rewrite(model, torch.randn(3, 4, 16), **onednn)
+    up, down = _packed_calls(first)
+    assert all(a.packed is b.packed for a, b in zip(_packed_calls(first),
+                                                   _packed_calls(second), strict=True))
+    with torch.no_grad():
+        model.up.weight.add_(1.0)  # in place: a version bump
+    third, _ = _rewrite(model, torch.randn(2, 5, 16), **onednn)
+    new_up, same_down = _packed_calls(third)
+    assert new_up.packed is not up.packed and same_down.packed is down.packed
+    model.down.weight.data.mul_(2.0)  # through .data: no version bump, other values
+    fourth, _ = _rewrite(model, torch.randn(2, 5, 16), **onednn)
+    assert _packed_calls(fourth)[1].packed is not down.packed
+    _assert_same_gemm(fourth, model, (2, 5, 16))
+    del first, second, third, up, down, new_up, same_down
+    gc.collect()
+    assert all(ref() is not None for ref, _ in _SHARED.values())  # dropped copies: no entry
