@@ -41,6 +41,13 @@ The price is memory: the packed copy is about the weight's size, held next to th
 how many linears each kernel got as ``mkl`` and ``onednn`` (``linear`` counts both,
 ``linear_kept_aten`` those measured fastest left on ATen).
 
+A row count left symbolic (a graph captured with ``dynamic=``: a prompt of any length) is
+measured at the sizes the graph was traced with, among the kernels that serve any count:
+ATen and oneDNN (MKL's packed GEMM runs only at the count it packed for). oneDNN's layout
+depends on the weight alone, so the graphs of one model (its example call, a decode step, a
+prompt step) call one oneDNN copy of each weight: a new one is packed only where the
+weight's address, version or sampled values differ (written since).
+
 Each packed copy (and, while a shape is first measured, one per candidate kernel) is checked
 against the memory optimize may still add (``optimize_memory``, or what is free:
 ``autoopt.cost_model.allowance``); a linear whose copies would not fit stays on ATen,
