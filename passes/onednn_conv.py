@@ -9,6 +9,9 @@ reorders it on every call and writes the activation and the residual sum in sepa
 over memory. Where a cost model is present, each distinct convolution (shapes, stride, groups,
 epilogue) keeps whichever kernel the cost model measures faster on this device.
 
+A graph captured with ``dynamic=`` (any batch or image size) is measured and packed at the
+sizes it was traced with; the packed weight serves any other size.
+
 The result runs only on a CPU with oneDNN, and packed weights are opaque (no storage; they are
 shared, not copied, when the graph is deep-copied). It is a lowering: exports take the graph
 from before it (``autoopt.passes.LOWERING``).
@@ -24,10 +27,11 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 from . import ops
 from .base import PassContext, PassResult
-from .graph import attr, call_kwargs, constant_tensor, meta_val
+from .graph import attr, call_kwargs, constant_tensor, meta_val, size_hints
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +185,9 @@ def onednn_conv(gm: GraphModule, ctx: PassContext) -> PassResult:
             continue
         add, other, unary = _epilogue(conv.node)
         geometry = (conv.padding, conv.stride, conv.dilation, conv.groups)
-        shape = list(meta_val(conv.input).shape)
+        # A symbolic size (``dynamic=``) as traced: the layout oneDNN picks for one input
+        # size serves any other (at worst reordered by the kernel).
+        shape = list(size_hints(meta_val(conv.input)) or ())
         packed = torch.ops.mkldnn._reorder_convolution_weight(conv.weight, *geometry, shape)
         kernel = PackedConv(conv.weight, packed, geometry, unary[0][1] if unary else None,
                             add is not None, shape)
@@ -207,7 +213,8 @@ def onednn_conv(gm: GraphModule, ctx: PassContext) -> PassResult:
 
 def _eligible(gm: GraphModule, node: Node) -> _Conv | None:
     """The conv's parts, if oneDNN's kernel computes exactly what it does: a constant fp32/bf16
-    4-D weight, a 4-D input of static shape, explicit integer padding."""
+    4-D weight, a 4-D input with static channels (other sizes symbolic with a traced value, or
+    static), explicit integer padding."""
     kw = call_kwargs(node)
     if kw is None:
         return None
@@ -218,7 +225,7 @@ def _eligible(gm: GraphModule, node: Node) -> _Conv | None:
     if (weight is None or weight.dim() != 4
             or weight.dtype not in (torch.float32, torch.bfloat16) or weight.is_mkldnn
             or not isinstance(x, torch.Tensor) or x.dim() != 4 or x.dtype != weight.dtype
-            or not all(isinstance(s, int) for s in x.shape)):
+            or size_hints(x) is None or not is_concrete_int(x.shape[1])):
         return None
     bias = kw.get("bias")
     if bias is not None and constant_tensor(gm, bias) is None:
@@ -257,7 +264,7 @@ def _epilogue(conv: Node) -> tuple[Node | None, Node | None, list[tuple[Node, _E
         out, val = meta_val(conv), meta_val(operand)
         if (operand is not None and operand is not conv and kw.get("alpha", 1) == 1
                 and isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor)
-                and val.shape == out.shape and val.dtype == out.dtype):
+                and _same_shape(val, out) and val.dtype == out.dtype):
             add, other, tail = candidate, operand, candidate
     users = list(tail.users)
     unary: list[tuple[Node, _Epilogue]] = []
@@ -278,18 +285,27 @@ def _pays(gm: GraphModule, ctx: PassContext, conv: _Conv, kernel: PackedConv,
     layout oneDNN's outputs give the ops after them)."""
     def like(node: Node) -> torch.Tensor:
         value = meta_val(node)
-        return torch.randn(value.shape, dtype=value.dtype).contiguous(
+        return torch.randn(size_hints(value), dtype=value.dtype).contiguous(
             memory_format=torch.channels_last)
 
     x = like(conv.input)
     r = like(other) if other is not None else None
     bias = attr(gm, conv.bias) if conv.bias is not None else None
+    dynamic = not all(map(is_concrete_int, meta_val(conv.input).shape))
     what = (f"conv2d|{tuple(x.shape)}|{tuple(conv.weight.shape)}|{x.dtype}|{kernel.geometry}|"
-            f"add={r is not None}|{kernel.epilogue[0] if kernel.epilogue else 'none'}")
+            f"add={r is not None}|{kernel.epilogue[0] if kernel.epilogue else 'none'}"
+            + ("|dynamic" if dynamic else ""))
     best, seconds = ctx.cost.fastest(what, {"onednn": lambda: kernel(x, bias, r),
                                             "aten": lambda: kernel.reference(x, bias, r)})
     log.debug("%s: %s", what, seconds)
     return best == "onednn"
+
+
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes, known without a guard: comparing symbolic sizes with ``==`` would add
+    one to the graph and fix its sizes."""
+    return a.dim() == b.dim() and all(
+        statically_known_true(x == y) for x, y in zip(a.shape, b.shape, strict=True))
 
 
 def _reference_unary(epilogue: _Epilogue) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -191,12 +191,35 @@ def test_does_not_fuse_a_broadcasting_add_or_a_shared_output() -> None:
     _assert_same_function(gm, model, (2, 4, 6, 6))
 
 
-def test_does_not_fire_when_training_or_on_symbolic_shapes() -> None:
+def test_does_not_fire_when_training() -> None:
     assert _rewrite(Before(), (2, 8, 10, 10), training=True)[1] == {}
-    x = torch.randn(2, 8, 10, 10)
+
+
+@pytest.mark.parametrize("measured", [False, True])
+def test_symbolic_sizes_are_measured_as_traced_and_fused_without_a_guard(
+        measured: bool, tmp_path: Path) -> None:
+    """A graph captured with ``dynamic=`` (any batch and image size) gets the fused kernels,
+    measured at the sizes it was traced with, and stays symbolic: the pass adds no guard (a
+    residual add's shapes are compared without one)."""
+    model = Before().eval()
     with torch.no_grad():
-        gm = export_graph(Before().eval(), (x,), {}, dynamic=True)
-    assert not onednn_conv(gm, PassContext()).modified
+        gm = export_graph(model, (torch.randn(2, 8, 10, 10),), {}, dynamic=True)
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.meta["val"].dim() == 4
+             and not isinstance(n.meta["val"].shape[0], int))
+    env = x.meta["val"].shape[0].node.shape_env
+    guards = len(env.guards)
+    cache = CostCache(tmp_path / "costs.json")
+    result = onednn_conv(gm, PassContext(cost=CostModel("cpu", cache=cache) if measured
+                                         else None))
+    assert len(env.guards) == guards
+    if measured:
+        keys = [k for k, _ in cache.items() if k.startswith("fastest|conv2d")]
+        assert len(keys) == 2 and all("|(2, 8, 10, 10)|" in k and "|dynamic|" in k
+                                      for k in keys)
+    else:
+        assert dict(result.counts) == {"conv": 2, "fused_unary": 2, "fused_add": 1}
+    for shape in [(2, 8, 10, 10), (3, 8, 7, 12), (5, 8, 10, 10)]:
+        _assert_same_function(result.graph_module, model, shape)
 
 
 def test_does_not_fire_for_a_cuda_target() -> None:
