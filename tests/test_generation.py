@@ -174,3 +174,32 @@ def test_the_decode_graph_says_why_not_onnxruntime() -> None:
     (choice,) = fast._generator.reports[0].backends
     assert choice.chosen == "aten"
     assert "writes its inputs in place" in choice.skipped["onnxruntime"]
+
+
+def test_the_prompt_step_runs_on_the_decode_steps_packed_weights() -> None:
+    """The prompt step's graph keeps its length symbolic; its linears are packed all the same
+    (oneDNN's packed GEMM takes any row count) and call the very copies the decode step packed:
+    a model's graphs hold one packed copy of each weight."""
+    from autoopt.passes.packed_linear import PackedLinear, kernels
+
+    if "onednn" not in kernels(torch.device("cpu")):
+        pytest.skip("this PyTorch build has no oneDNN linear")
+    model = _llama()
+    ids = _prompt()
+    # merge_linear measures per graph: a prompt step may keep siblings apart that the decode
+    # step merges, and a merged weight is a weight of its own.
+    fast = autoopt.optimize(model, (ids,), backends=("aten",), disable=("merge_linear",),
+                            pass_options={"packed_linear": {"measure": False,
+                                                            "kernel": "onednn"}})
+    for _ in range(2):  # the first call's prompt step runs eagerly: it sizes the cache
+        got = fast.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert torch.equal(got, model.generate(ids, max_new_tokens=4, min_new_tokens=4,
+                                           do_sample=False))
+    packed = {}
+    for (prompt, *_), step in fast._generator._steps.items():
+        (spec,) = step._specializations
+        packed[prompt] = [n.target.packed for n in spec.graph.graph.nodes
+                          if isinstance(n.target, PackedLinear)]
+    assert packed[True] and packed[False]
+    decode = {id(p) for p in packed[False]}
+    assert all(id(p) in decode for p in packed[True])
