@@ -215,9 +215,12 @@ class _Concatenation:
 
 
 def _identity(source: Callable[[], torch.Tensor] | None,
-              weight: torch.Tensor) -> tuple[Any, ...]:
-    """The model's tensors a weight is made from, each by address, layout and version."""
+              weight: torch.Tensor) -> tuple[Any, ...] | None:
+    """The model's tensors a weight is made from, each by address, layout and version; None
+    where one keeps no version (made under ``inference_mode``): not shared."""
     tensors = source.parts if isinstance(source, _Concatenation) else [weight]
+    if any(t.is_inference() for t in tensors):
+        return None
     return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
                  for t in tensors)
 

@@ -519,3 +519,15 @@ def test_graphs_of_one_model_share_one_onednn_copy_of_each_weight_until_it_is_wr
     del first, second, third, up, down, new_up, same_down
     gc.collect()
     assert all(ref() is not None for ref, _ in _SHARED.values())  # dropped copies: no entry
+
+
+@requires_onednn
+def test_a_weight_made_under_inference_mode_is_packed_on_its_own() -> None:
+    """An inference tensor keeps no version counter, so a write could not be told apart: its
+    copy is not shared (and packing it does not fail)."""
+    with torch.inference_mode():
+        weight = torch.randn(8, 16)
+    x = torch.randn(4, 16)
+    first, second = PackedLinear(weight, 4, "onednn"), PackedLinear(weight, 4, "onednn")
+    assert first.packed is not second.packed
+    torch.testing.assert_close(first(x, None), F.linear(x, weight))
