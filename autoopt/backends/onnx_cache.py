@@ -53,12 +53,15 @@ def folder() -> Path:
 
 
 def key(gm: GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
-        input_names: list[str], output_names: list[str], device: torch.device) -> str:
+        input_names: list[str], output_names: list[str], device: torch.device,
+        dynamic: Any = None) -> str:
     """What an exported graph depends on, besides the weights' values: the graph's code, its
-    tensors' names, shapes and dtypes, the inputs' (non-tensor inputs by value), the names
-    given to inputs and outputs, the device, and the exporter's and ONNX Runtime's versions."""
+    tensors' names, shapes and dtypes, the inputs' (non-tensor inputs by value), which input
+    sizes are left symbolic (``dynamic``, as export's ``dynamic_shapes``), the names given to
+    inputs and outputs, the device, and the exporter's and ONNX Runtime's versions."""
     digest = hashlib.sha256()
-    digest.update(f"{_FORMAT}|{gm.code}|{input_names}|{output_names}|{device.type}".encode())
+    digest.update(f"{_FORMAT}|{gm.code}|{input_names}|{output_names}|{device.type}|"
+                  f"{dynamic!r}".encode())
     for name, t in sorted(tensors_of(gm).items()):
         digest.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
     for leaf in pytree.tree_leaves((args, kwargs)):

@@ -110,8 +110,6 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
         elif name == "onnxruntime":
             why = ort.available() or (
                 "inference only (ONNX Runtime computes no gradients)" if gradients else
-                "the graph keeps symbolic sizes (dynamic=); ONNX Runtime is measured on "
-                "static shapes" if dynamic else
                 "the graph takes the model's inputs positionally (symbolic_trace); ONNX "
                 "export needs a torch.export graph" if adapt is not None else
                 "the graph writes its inputs in place (a KV cache); an ONNX graph returns "

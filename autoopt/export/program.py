@@ -33,11 +33,11 @@ def save_program(optimized: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any
                          "Make the model exportable (see the report's capture attempts).")
     gm = portable(graph)
     program = torch.export.export(gm, tuple(args), dict(kwargs), strict=False,
-                                  dynamic_shapes=_symbolic_dims(gm, tuple(args), dict(kwargs)))
+                                  dynamic_shapes=symbolic_dims(gm, tuple(args), dict(kwargs)))
     torch.export.save(program, path)
 
 
-def _symbolic_dims(gm: GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def symbolic_dims(gm: GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``dynamic_shapes`` marking each input dimension that is symbolic in ``gm`` (``None``
     when all are static): exporting the graph again with example inputs alone would fix every
     size to the example's.
