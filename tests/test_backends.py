@@ -391,6 +391,27 @@ def test_a_lone_candidate_is_not_timed() -> None:
     assert (run, choice.chosen, choice.seconds, cost.timed) == ("a", "aten", {}, [])
 
 
+def test_a_candidate_skipped_when_the_choice_was_cached_is_measured_once_it_applies() -> None:
+    """A record of a choice made while a backend did not apply (not installed, or a kind of
+    graph it skipped then) does not hide it once it does: the choice is measured again."""
+    cost = _DriftingCost({"eager": 4.0, "aten": 2.0, "inductor": 3.0, "onnxruntime": 1.0},
+                         drift=1.0)
+
+    def choose(names: list[str], skipped: dict[str, str]) -> Any:
+        return choose_backend(
+            "whole graph", [Lowering(n, lambda n=n: n, verified=True) for n in names], skipped,
+            verify=None, timer=lambda run: run, cost_model=cost, what="x", required=False,
+            gradients=False, reference=lambda: "eager")[1]
+
+    first = choose(["aten", "inductor"], {"onnxruntime": "not installed"})
+    assert (first.chosen, first.cached) == ("aten", False)
+    again = choose(["aten", "inductor"], {"onnxruntime": "not installed"})
+    assert (again.chosen, again.cached) == ("aten", True)  # the record serves
+    now = choose(["aten", "inductor", "onnxruntime"], {})
+    assert (now.chosen, now.cached) == ("onnxruntime", False)
+    assert choose(["aten", "inductor", "onnxruntime"], {}).cached
+
+
 class Branchy(nn.Module):
     """Two linears with a data-dependent branch between them: two Dynamo subgraphs."""
 

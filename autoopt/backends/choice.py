@@ -88,6 +88,10 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
     """
     skipped = dict(skipped)
     requested = [lowering.name for lowering in lowerings] + list(skipped)
+    # The cache holds a choice among the candidates that could be built: one skipped up front
+    # then (not installed, not applicable to such a graph) and a candidate now is measured,
+    # not hidden by a record made without it.
+    candidates = [lowering.name for lowering in lowerings]
     if required and skipped and not lowerings:
         name, why = next(iter(skipped.items()))
         raise ConfigError(f"backend={name!r} cannot execute the {graph}: {why}. Pass "
@@ -119,7 +123,7 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
         log.info("backend: %s ready in %.1f s", lowering.name, time.perf_counter() - start)
         return run
 
-    stored = cost_model.recorded(what, requested)
+    stored = cost_model.recorded(what, candidates)
     if stored:
         eager = cost_model.recorded(f"{what}|eager", [_EAGER]) or {}
         for lowering in sorted((lw for lw in lowerings if lw.name in stored),
@@ -133,9 +137,9 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
     eager_s = None
     if reference is not None:
         best, seconds, eager_s = _against_eager(lowerings, build, reference, timer, cost_model,
-                                                what, requested, skipped, state, gradients)
+                                                what, candidates, skipped, state, gradients)
     else:
-        best, seconds = _against_best(lowerings, build, timer, cost_model, what, requested,
+        best, seconds = _against_best(lowerings, build, timer, cost_model, what, candidates,
                                       skipped, state, gradients)
     if best is None:
         reasons = "; ".join(f"{name}: {why}" for name, why in skipped.items())
