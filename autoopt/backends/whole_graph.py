@@ -191,5 +191,7 @@ def identity(gm: GraphModule, source: GraphModule, args: tuple[Any, ...],
     digest.update(value_spec(pytree.tree_leaves((args, kwargs))).encode())
     digest.update(repr(sorted((k, sorted(dict(v).items(), key=str))
                               for k, v in dict(settings or {}).items())).encode())
-    return f"backend|{digest.hexdigest()[:32]}|grad={gradients}|dynamic={dynamic}|" \
+    # v2: a record names the candidates that were built, no longer those skipped up front
+    # (a v1 record made while one was skipped would hide it from the choice for good).
+    return f"backend|v2|{digest.hexdigest()[:32]}|grad={gradients}|dynamic={dynamic}|" \
            f"onnxruntime={ort.version()}"
