@@ -63,7 +63,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -199,8 +198,10 @@ class PackedLinear:
 # alone (no row count, no thread count), so every graph of one model (its example call, a
 # decode step, a prompt step) calls one copy. An entry lives as long as some graph holds the
 # copy, and that graph holds the weights it names: their addresses are not reused meanwhile.
-_SHARED: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
-_SHARED_LOCK = threading.Lock()
+# (A WeakValueDictionary: its entries go when a collection frees a copy, which may happen in
+# the middle of any allocation, with no lock of ours to deadlock on.)
+_SHARED: weakref.WeakValueDictionary[tuple[Any, ...], torch.Tensor] = \
+    weakref.WeakValueDictionary()
 _SAMPLES = 64
 
 
@@ -240,22 +241,15 @@ def _onednn_packed(weight: torch.Tensor, key: tuple[Any, ...] | None) -> torch.T
     the speed of its default one (GPT-2's layers at 1 thread on an AMD EPYC, weights out of
     cache: 16.5 against 10.7 ms a token), which is as fast (within 3%) from 4 to 64 rows and
     faster at 256."""
-    sample = _sample(weight) if key is not None else None
-    if key is not None:
-        with _SHARED_LOCK:
-            ref, saved = _SHARED.get(key, (None, None))
-        packed = ref() if ref is not None else None
-        if packed is not None and torch.equal(saved, sample):
-            return packed
+    if key is None:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+    sample = _sample(weight)
+    packed = _SHARED.get(key)
+    if packed is not None and torch.equal(packed.autoopt_sample, sample):
+        return packed
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
-    if key is not None:
-        def forget(_: Any, key: tuple[Any, ...] = key) -> None:
-            with _SHARED_LOCK:
-                entry = _SHARED.get(key)
-                if entry is not None and entry[0]() is None:
-                    del _SHARED[key]
-        with _SHARED_LOCK:
-            _SHARED[key] = (weakref.ref(packed, forget), sample)
+    packed.autoopt_sample = sample  # what it was packed from, sampled
+    _SHARED[key] = packed
     return packed
 
 
