@@ -125,7 +125,7 @@ def bench_model(name: str, rounds: int) -> dict[str, Any]:
                     times[label].append(time.perf_counter() - start)
             rows.append(dict(size=size, ms={k: statistics.median(v) * 1e3
                                             for k, v in times.items()}, errors=errors))
-    graphs = len(vars(fast)["_specializations"]) if fast is not None else None
+    graphs = len(fast.specializations) if fast is not None else None
     backends = sorted({c.chosen for r in fast.report.captures for c in r.backends}) \
         if fast is not None else []
     return dict(model=name, what=what, rows=rows, prepare_s=prepare_s, failed=failed,

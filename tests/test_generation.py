@@ -197,7 +197,7 @@ def test_the_prompt_step_runs_on_the_decode_steps_packed_weights() -> None:
                                            do_sample=False))
     packed = {}
     for (prompt, *_), step in fast._generator._steps.items():
-        (spec,) = step._specializations
+        (spec,) = step.specializations
         packed[prompt] = [n.target.packed for n in spec.graph.graph.nodes
                           if isinstance(n.target, PackedLinear)]
     assert packed[True] and packed[False]
