@@ -219,6 +219,16 @@ def write_section(path: Path, section: str) -> None:
     path.write_text(text)
 
 
+def first_tensor(out: Any) -> torch.Tensor:
+    """A model's main output tensor, to compare runners by: the output itself, a transformers
+    output's ``last_hidden_state``, else its first element (a tuple, a list, a ModelOutput)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "last_hidden_state"):
+        return out.last_hidden_state
+    return first_tensor(out[0])
+
+
 def heading(name: str, device: torch.device) -> tuple[str, str]:
     """A benchmark section's title (``## name (CPU)`` or ``(CUDA)``) and the machine it ran
     on, for its first line."""

@@ -34,7 +34,7 @@ import transformers
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cost_model_accuracy import heading, publish  # noqa: E402
+from cost_model_accuracy import first_tensor, heading, publish  # noqa: E402
 
 import autoopt  # noqa: E402
 
@@ -49,14 +49,6 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], torch.Tensor], 
     "resnet50": (torchvision.models.resnet50, lambda n: torch.randn(n, 3, 224, 224),
                  "batch", 0, (2, 4, 8)),
 }
-
-
-def _first_tensor(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if hasattr(out, "last_hidden_state"):
-        return out.last_hidden_state
-    return _first_tensor(out[0])
 
 
 def _onnxruntime(model: nn.Module, x: torch.Tensor, dim: int) -> Callable[[torch.Tensor], Any]:
@@ -108,11 +100,11 @@ def bench_model(name: str, rounds: int) -> dict[str, Any]:
         rows = []
         for size in sizes:
             x = make(size)
-            reference = _first_tensor(model(x))
+            reference = first_tensor(model(x))
             errors = {}
             for label, runner in list(prepared.items()):
                 try:
-                    errors[label] = float((_first_tensor(runner(x)) - reference).abs().max())
+                    errors[label] = float((first_tensor(runner(x)) - reference).abs().max())
                 except Exception as exc:  # noqa: BLE001
                     failed[label] = _reason(exc)
                     del prepared[label]

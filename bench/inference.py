@@ -53,7 +53,7 @@ import autoopt
 
 transformers.logging.set_verbosity_error()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cost_model_accuracy import publish  # noqa: E402
+from cost_model_accuracy import first_tensor, publish  # noqa: E402
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 # Peers autoopt is measured against in the best-of column (autoopt's own ONNX file is not one).
@@ -91,16 +91,6 @@ def _rss_mib() -> float:
         return int(statm.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def _first_tensor(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if hasattr(out, "last_hidden_state"):
-        return out.last_hidden_state
-    if isinstance(out, (list, tuple)):
-        return _first_tensor(out[0])
-    raise TypeError(type(out))
-
-
 def _export_plain(model: nn.Module, args: tuple, kwargs: dict, path: str) -> None:
     torch.onnx.export(model, args, path, kwargs=kwargs or None, dynamo=True)
 
@@ -114,7 +104,7 @@ def _ort_runner(path: str, args: tuple, device: torch.device, plain: bool) -> Ca
     tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
     if device.type == "cuda" or not plain:
         session = autoopt.onnx_session(path, device=device, threads=torch.get_num_threads())
-        return lambda: _first_tensor(session(*tensors))
+        return lambda: first_tensor(session(*tensors))
     options = ort.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -246,8 +236,8 @@ def bench_one(name: str, batch: int, rounds: int, device: str = "cpu",
                     failures[label] = _reason(exc)
                     print(f"  {label} failed on {name}: {type(exc).__name__}: {exc}",
                           file=sys.stderr)
-            reference = _first_tensor(runners["eager"]())
-            errors = {k: float((_first_tensor(r()) - reference).abs().max())
+            reference = first_tensor(runners["eager"]())
+            errors = {k: float((first_tensor(r()) - reference).abs().max())
                       for k, r in runners.items()}
             times: dict[str, list[float]] = {k: [] for k in runners}
             for half in range(2):

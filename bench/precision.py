@@ -30,7 +30,7 @@ import autoopt
 
 transformers.logging.set_verbosity_error()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cost_model_accuracy import publish  # noqa: E402
+from cost_model_accuracy import first_tensor, publish  # noqa: E402
 
 Case = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
 
@@ -52,14 +52,6 @@ MODELS: dict[str, tuple[Callable[[int], Case], tuple[str, ...]]] = {
 }
 
 
-def _first_tensor(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if hasattr(out, "last_hidden_state"):
-        return out.last_hidden_state
-    return _first_tensor(out[0])
-
-
 def _error(expected: torch.Tensor, actual: torch.Tensor) -> float:
     return float((actual.double() - expected.double()).abs().max() / expected.abs().max())
 
@@ -76,7 +68,7 @@ def bench_one(name: str, batch: int, rounds: int, device: str = "cpu",
     fresh_args = tuple(torch.randint_like(a, 0, 1000) if not a.is_floating_point()
                        else torch.randn_like(a) for a in args)
     with torch.no_grad():
-        expected = _first_tensor(model(*fresh_args, **kwargs))
+        expected = first_tensor(model(*fresh_args, **kwargs))
         for choice in precisions or default_precisions:
             precision, _, tolerance = choice.partition("@")
             start = time.perf_counter()
@@ -88,7 +80,7 @@ def bench_one(name: str, batch: int, rounds: int, device: str = "cpu",
             runners[key] = lambda fast=fast: fast(*args, **kwargs)
             facts[key] = {
                 "optimize_s": seconds,
-                "error": _error(expected, _first_tensor(fast(*fresh_args, **kwargs))),
+                "error": _error(expected, first_tensor(fast(*fresh_args, **kwargs))),
                 "cast": summary.low_ops if summary else 0,
                 "kept": len([k for k in summary.kept if "policy" not in k.why]) if summary
                 else 0,
