@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.fx import GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.fx.operator_schemas import normalize_function
 
 from autoopt.cost_model.isolation import mark_read_only
@@ -94,6 +95,12 @@ def size_hints(value: Any) -> tuple[int, ...] | None:
             return None
         sizes.append(hint)
     return tuple(sizes)
+
+
+def has_symbolic_size(value: torch.Tensor) -> bool:
+    """Whether a size of ``value`` is symbolic (a graph captured with ``dynamic=``). Read
+    without comparing sizes: ``==`` on a symbolic size adds a guard to the graph."""
+    return not all(map(is_concrete_int, value.shape))
 
 
 def attr(gm: GraphModule, target: Any) -> Any:

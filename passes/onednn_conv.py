@@ -31,7 +31,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 
 from . import ops
 from .base import PassContext, PassResult
-from .graph import attr, call_kwargs, constant_tensor, meta_val, size_hints
+from .graph import attr, call_kwargs, constant_tensor, has_symbolic_size, meta_val, size_hints
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +291,7 @@ def _pays(gm: GraphModule, ctx: PassContext, conv: _Conv, kernel: PackedConv,
     x = like(conv.input)
     r = like(other) if other is not None else None
     bias = attr(gm, conv.bias) if conv.bias is not None else None
-    dynamic = not all(map(is_concrete_int, meta_val(conv.input).shape))
+    dynamic = has_symbolic_size(meta_val(conv.input))
     what = (f"conv2d|{tuple(x.shape)}|{tuple(conv.weight.shape)}|{x.dtype}|{kernel.geometry}|"
             f"add={r is not None}|{kernel.epilogue[0] if kernel.epilogue else 'none'}"
             + ("|dynamic" if dynamic else ""))

@@ -80,7 +80,7 @@ from autoopt.cost_model.isolation import is_read_only
 
 from . import ops
 from .base import PassContext, PassResult
-from .graph import attr, call_kwargs, constant_tensor, meta_val, size_hints
+from .graph import attr, call_kwargs, constant_tensor, has_symbolic_size, meta_val, size_hints
 from .merge_linear import CONCATENATED
 
 log = logging.getLogger(__name__)
@@ -410,8 +410,7 @@ def _eligible(gm: GraphModule, node: Node, cold: bool = False,
     rows = math.prod(shape[:-1])
     if rows == 0:
         return None
-    # Not ``shape != value.shape``: comparing a symbolic size adds a guard to the graph.
-    dynamic = not all(map(is_concrete_int, value.shape))
+    dynamic = has_symbolic_size(value)
     return _Linear(node, x, weight.detach(), bias, rows, derived, cold and rows <= _COLD_ROWS,
                    source, dynamic, shape)
 
