@@ -157,6 +157,10 @@ class _Conv:
     stride: list[int]
     dilation: list[int]
     groups: int
+    # The input's sizes, each symbolic one (``dynamic=``) as traced: what the weight is packed
+    # and measured for; the layout oneDNN picks for them serves any other size (at worst
+    # reordered by the kernel).
+    shape: list[int]
 
 
 def available(device: torch.device) -> bool:
@@ -185,12 +189,10 @@ def onednn_conv(gm: GraphModule, ctx: PassContext) -> PassResult:
             continue
         add, other, unary = _epilogue(conv.node)
         geometry = (conv.padding, conv.stride, conv.dilation, conv.groups)
-        # A symbolic size (``dynamic=``) as traced: the layout oneDNN picks for one input
-        # size serves any other (at worst reordered by the kernel).
-        shape = list(size_hints(meta_val(conv.input)) or ())
-        packed = torch.ops.mkldnn._reorder_convolution_weight(conv.weight, *geometry, shape)
+        packed = torch.ops.mkldnn._reorder_convolution_weight(conv.weight, *geometry,
+                                                             conv.shape)
         kernel = PackedConv(conv.weight, packed, geometry, unary[0][1] if unary else None,
-                            add is not None, shape)
+                            add is not None, list(conv.shape))
         if measure and not _pays(gm, ctx, conv, kernel, other):
             counts["kept_aten"] += 1
             continue
@@ -220,12 +222,13 @@ def _eligible(gm: GraphModule, node: Node) -> _Conv | None:
         return None
     weight = constant_tensor(gm, kw.get("weight"))
     x = meta_val(kw["input"])
+    shape = size_hints(x)
     # Packing copies the weight, as folding does: valid for an inference capture (ctx.training
     # is False), which the module captures anew when called with gradients enabled.
     if (weight is None or weight.dim() != 4
             or weight.dtype not in (torch.float32, torch.bfloat16) or weight.is_mkldnn
             or not isinstance(x, torch.Tensor) or x.dim() != 4 or x.dtype != weight.dtype
-            or size_hints(x) is None or not is_concrete_int(x.shape[1])):
+            or shape is None or not is_concrete_int(x.shape[1])):
         return None
     bias = kw.get("bias")
     if bias is not None and constant_tensor(gm, bias) is None:
@@ -242,7 +245,8 @@ def _eligible(gm: GraphModule, node: Node) -> _Conv | None:
     groups = kw.get("groups", 1)
     if padding is None or stride is None or dilation is None or not isinstance(groups, int):
         return None
-    return _Conv(node, kw["input"], weight.detach(), bias, padding, stride, dilation, groups)
+    return _Conv(node, kw["input"], weight.detach(), bias, padding, stride, dilation, groups,
+                 list(shape))
 
 
 def _epilogue(conv: Node) -> tuple[Node | None, Node | None, list[tuple[Node, _Epilogue]]]:
