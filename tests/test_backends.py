@@ -382,6 +382,40 @@ def test_onnxruntime_is_built_with_the_aten_lowerings_packed_weights_dropped(
     assert_same_function(model, fast, args, kwargs)
 
 
+@pytest.mark.parametrize("reference", [lambda: "eager", None], ids=["against eager", "pairs"])
+def test_a_candidate_within_the_margin_does_not_replace_an_earlier_one(reference: Any) -> None:
+    """1% faster is within the noise of interleaved medians: the earlier, cheaper candidate
+    stays, now and when the record is read back; 5% faster replaces it."""
+    builds: list[str] = []
+
+    def lowering(name: str) -> Lowering:
+        return Lowering(name, lambda: builds.append(name) or (lambda: name), verified=True)
+
+    cost = _DriftingCost({"eager": 4.0, "aten": 2.0, "hybrid": 1.98, "inductor": 1.97,
+                          "onnxruntime": 1.9}, drift=1.0)
+
+    def choose(names: list[str]) -> Any:
+        builds.clear()
+        return choose_backend("whole graph", [lowering(n) for n in names], {}, verify=None,
+                              timer=lambda run: run, cost_model=cost, what="+".join(names),
+                              required=False, gradients=False, reference=reference)
+
+    run, choice = choose(["aten", "hybrid", "inductor"])
+    assert (run(), choice.chosen, choice.cached) == ("aten", "aten", False)
+    assert "aten kept, earlier in the order of preference: inductor measured only 1.5% " \
+           "faster" in choice.describe()
+    if reference is not None:  # the record (this stub stores only what is timed on eager)
+        run, again = choose(["aten", "hybrid", "inductor"])
+        assert (run(), again.chosen, again.cached, builds) == ("aten", "aten", True, ["aten"])
+    run, choice = choose(["aten", "hybrid", "inductor", "onnxruntime"])
+    assert (run(), choice.chosen) == ("onnxruntime", "onnxruntime")
+    assert "kept" not in choice.describe()
+    if reference is not None:
+        run, again = choose(["aten", "hybrid", "inductor", "onnxruntime"])
+        assert (run(), again.cached, builds) == ("onnxruntime", True, ["onnxruntime"])
+    assert choice_lib.decided(["hybrid", "aten"], {"aten": 2.0, "hybrid": 2.03}) == "hybrid"
+
+
 def test_a_lone_candidate_is_not_timed() -> None:
     cost = _DriftingCost({"eager": 1.0, "aten": 1.0}, drift=1.0)
     run, choice = choose_backend(
