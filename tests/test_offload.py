@@ -380,3 +380,37 @@ def test_cuda_offload_gives_eager_gradients_and_copies_on_a_side_stream() -> Non
     _assert_same_step(expected, actual)
     assert actual[2] <= budget
     assert offloader.stats.copies_out > 0 and offloader.stats.host_allocations == allocations
+
+
+class _ReluInPlaceThenConv(nn.Module):
+    """A ResNet block's start: ReLU(inplace=True) on the block's input, then a convolution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(torch.relu_(x)) * x
+
+
+def test_a_recomputed_segment_that_writes_its_activation_input_gives_eagers_gradients() -> None:
+    """The rerun in backward starts from a copy of the input as the forward found it; the
+    copy must require grad like the activation, or the rerun records less than the forward
+    saved and checkpoint refuses it (resnet18's recompute plans failed so)."""
+    from autoopt.runtime.recompute import Recompute
+
+    block = _ReluInPlaceThenConv()
+    gm = export_graph(block, (torch.randn(2, 4, 8, 8),), {})
+    segment = Recompute(gm)
+    assert segment._written == [0]  # the activation input, written in place
+    source = torch.randn(2, 4, 8, 8, requires_grad=True)
+
+    def step(run: nn.Module) -> tuple[torch.Tensor, ...]:
+        x = source * 1.5  # an activation: a non-leaf that requires grad
+        out = run(x)
+        return (out, *torch.autograd.grad(out.sum(), [source, *run.parameters()]))
+
+    expected = step(block)
+    actual = step(segment)
+    for got, wanted in zip(actual, expected, strict=True):
+        torch.testing.assert_close(got, wanted)

@@ -73,8 +73,14 @@ class Recompute(nn.Module):
         if not torch.is_grad_enabled() or not (state or self._own_stats):
             return self._checkpoint(self.segment, args)
         # Taken before the forward writes them: what the rerun must start from. State is
-        # small (statistics, counters) next to the activations a recompute frees.
-        before = {i: t.detach().clone() for i, t in state.items()}
+        # small (statistics, counters) next to the activations a recompute frees; an
+        # activation the segment writes in place (a ReLU(inplace=True) on its input, as in
+        # a ResNet block) is its input, which a recompute keeps anyway. That copy requires
+        # grad as the activation does: the rerun must record the graph the forward did (it
+        # saves the same tensors, which checkpoint counts), while gradients still reach the
+        # activation through the forward's own graph.
+        before = {i: t.detach().clone().requires_grad_(t.requires_grad)
+                  for i, t in state.items()}
         own_before = [(m, name, m._buffers[name].detach().clone())  # type: ignore[union-attr]
                       for m, name in self._own_stats]
         rest = [a for i, a in enumerate(args) if i not in state]
