@@ -416,6 +416,56 @@ def test_a_candidate_within_the_margin_does_not_replace_an_earlier_one(reference
     assert choice_lib.decided(["hybrid", "aten"], {"aten": 2.0, "hybrid": 2.03}) == "hybrid"
 
 
+@pytest.mark.parametrize("hybrid_ok", [True, False])
+def test_a_dominated_candidate_is_skipped_once_what_dominates_it_is_built(
+        hybrid_ok: bool) -> None:
+    """inductor, dominated by hybrid: not built (nor aten's packed weights dropped for it)
+    once hybrid is built and verified; built and measured where hybrid failed to verify."""
+    events: list[str] = []
+
+    def lowering(name: str, **extra: Any) -> Lowering:
+        def build() -> Any:
+            events.append(f"build {name}")
+            return lambda: name if hybrid_ok or name != "hybrid" else "wrong"
+        return Lowering(name, build, **extra)
+
+    def verify(run: Any) -> VerifyResult:
+        return VerifyResult(run() != "wrong", detail="outputs differ")
+
+    packed = {"release": lambda: events.append("release") or 100,
+              "restore": lambda: events.append("restore")}
+    candidates = [lowering("aten", verified=True, **packed), lowering("hybrid", **packed),
+                  lowering("inductor", memory=10, dominated_by=("hybrid", "hybrid covers it")),
+                  lowering("onnxruntime", memory=10)]
+    cost = _DriftingCost({"eager": 4.0, "aten": 2.0, "hybrid": 1.9, "inductor": 1.0,
+                          "onnxruntime": 3.0}, drift=1.0)
+    run, choice = choose_backend("whole graph", candidates, {}, verify=verify,
+                                 timer=lambda run: run, cost_model=cost, what="g",
+                                 required=False, gradients=False, reference=lambda: "eager")
+    if hybrid_ok:
+        assert choice.skipped == {"inductor": "hybrid covers it"}
+        assert events == ["build aten", "build hybrid", "release", "build onnxruntime",
+                          "restore"]
+        assert (run(), set(choice.seconds)) == ("hybrid", {"aten", "hybrid", "onnxruntime"})
+    else:
+        assert choice.skipped == {"hybrid": "differs from eager (outputs differ)"}
+        assert "build inductor" in events and run() == "inductor"
+
+
+def test_inductor_is_dominated_by_hybrid_only_on_a_cpu_with_the_default_candidates() -> None:
+    from autoopt.backends.whole_graph import _inductor_dominated
+    from autoopt.config import OptimizeConfig
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert _inductor_dominated(OptimizeConfig(), cpu)[0] == "hybrid"
+    assert _inductor_dominated(OptimizeConfig(), cuda) is None  # Triton's GEMMs
+    for config in (OptimizeConfig(backends=("aten", "hybrid", "inductor")),
+                   OptimizeConfig(backend_options={"inductor": {"mode": "max-autotune"}}),
+                   OptimizeConfig(disable=("packed_linear",)),
+                   OptimizeConfig(disable=("onednn_conv",))):
+        assert _inductor_dominated(config, cpu) is None
+
+
 def test_a_lone_candidate_is_not_timed() -> None:
     cost = _DriftingCost({"eager": 1.0, "aten": 1.0}, drift=1.0)
     run, choice = choose_backend(

@@ -74,6 +74,9 @@ class Lowering:
     ``release``: drops what the built callable holds and can make again (its packed weights),
     returning the bytes dropped; the callable still works, making them again when called.
     ``restore``: makes them again now.
+    ``dominated_by``: another candidate's name and why this one cannot be faster than it; once
+    that one is built and verified for the graph, this one is skipped with the reason (not
+    built, not measured).
     """
 
     name: str
@@ -83,6 +86,7 @@ class Lowering:
     regions: Callable[[], str] | None = None
     release: Callable[[], int] | None = None
     restore: Callable[[], None] | None = None
+    dominated_by: tuple[str, str] | None = None
 
 
 def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str, str], *,
@@ -120,7 +124,17 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
         raise ConfigError(f"backend={name!r} cannot execute the {graph}: {why}. Pass "
                           f"backends=({name!r}, 'aten') to fall back when it cannot.")
 
+    built: set[str] = set()  # built and verified here, for ``dominated_by``
+
+    def dominated(lowering: Lowering) -> bool:
+        if lowering.dominated_by is None or lowering.dominated_by[0] not in built:
+            return False
+        skipped[lowering.name] = lowering.dominated_by[1]
+        return True
+
     def build(lowering: Lowering) -> Callable[..., Any] | None:
+        if dominated(lowering):
+            return None
         short = memory_profile.allowance().shortfall(  # the choice's record says why
             lowering.memory, f"the {lowering.name} backend", note=False)
         if short:
@@ -144,6 +158,7 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
             skipped[lowering.name] = f"differs from eager ({verdict.detail})"
             return None
         log.info("backend: %s ready in %.1f s", lowering.name, time.perf_counter() - start)
+        built.add(lowering.name)
         return run
 
     stored = cost_model.recorded(what, candidates)
@@ -160,8 +175,9 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
 
     eager_s = None
     if reference is not None:
-        best, seconds, eager_s = _against_eager(lowerings, build, reference, timer, cost_model,
-                                                what, candidates, skipped, state, gradients)
+        best, seconds, eager_s = _against_eager(lowerings, build, dominated, reference, timer,
+                                                cost_model, what, candidates, skipped, state,
+                                                gradients)
     else:
         best, seconds = _against_best(lowerings, build, timer, cost_model, what, candidates,
                                       skipped, state, gradients)
@@ -193,7 +209,8 @@ def _timings(cost_model: CostModel, what: str, timed: dict[str, Callable[[], Any
         setup={n: fn.reset for n, fn in timed.items() if hasattr(fn, "reset")})[1]
 
 
-def _against_eager(lowerings: Sequence[Lowering], build: _Build, reference: Callable[..., Any],
+def _against_eager(lowerings: Sequence[Lowering], build: _Build,
+                   dominated: Callable[[Lowering], bool], reference: Callable[..., Any],
                    timer: Callable[[Callable[..., Any]], Callable[[], Any]],
                    cost_model: CostModel, what: str, requested: Sequence[str],
                    skipped: dict[str, str], state: Sequence[Any], gradients: bool,
@@ -223,6 +240,8 @@ def _against_eager(lowerings: Sequence[Lowering], build: _Build, reference: Call
         eager_s.append(pair[_EAGER])
 
     for lowering in lowerings:
+        if dominated(lowering):  # before its predecessor drops its packed weights for it
+            continue
         if best is not None:
             # Measured only once a second candidate comes: a lone candidate is not timed.
             if best[0].name not in ratios:

@@ -90,7 +90,8 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
                 lowerings.append(Lowering(name, lambda: warm(call(inductor.lower(
                     source, dynamic=dynamic, gradients=gradients,
                     settings=dict(config.backend_options.get("inductor", {}))))),
-                    memory=inductor.memory_estimate(source, gradients)))
+                    memory=inductor.memory_estimate(source, gradients),
+                    dominated_by=_inductor_dominated(config, device)))
         elif name == "hybrid":
             why = inductor.available() or (
                 "inference only (autoopt's kernels are inference lowerings, with no gradient)"
@@ -146,6 +147,30 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
                           cost_model=cost_model, what=what,
                           required=config.backend is not None, gradients=gradients,
                           state=[module], reference=module)
+
+
+def _inductor_dominated(config: OptimizeConfig, device: torch.device,
+                        ) -> tuple[str, str] | None:
+    """Where ``hybrid``, once built, leaves the ``inductor`` candidate nothing to win.
+
+    On a CPU the two run the same generated code between the GEMMs and convolutions, and
+    differ in those: Inductor's freezing calls MKL's or oneDNN's packed kernels, while
+    ``packed_linear`` and ``onednn_conv`` measured each of those against ATen's for every
+    shape and ``hybrid`` calls the fastest. Measured, ``inductor`` was never the faster
+    (docs/benchmarks.md: 1.2-2.2x hybrid's time on the ten rows of the 1-thread inference
+    table; its closest, a Llama-style decoder's prompt step, 1.02x), and its compile is the
+    costliest step of optimize (6-40 s, with a copy of the weights frozen into it). Not so on a GPU
+    (Triton GEMMs), under the user's Inductor settings (``max-autotune``'s GEMM templates),
+    with those passes disabled, or where the user named the candidates.
+    """
+    if device.type != "cpu" or config.backends is not None or \
+            config.backend_options.get("inductor") or \
+            {"packed_linear", "onednn_conv"} & set(config.disable):
+        return None
+    return ("hybrid", "not built: hybrid, built and verified, runs Inductor's generated code "
+                      "for the same graph with each GEMM and convolution on the kernel "
+                      "measured fastest among ATen's and the MKL and oneDNN packed kernels "
+                      "Inductor's freezing calls on a CPU; name backends= to measure it too")
 
 
 class _Rerun:
