@@ -116,8 +116,8 @@ class _Stepper:
             return self._eager(*args, **kwargs)
         name, cache = found[0]
         self._stats.cache_type = type(cache).__name__
-        if not _allocated(cache):
-            self._optimized.allocate(cache)  # as the first call's cache was, if known
+        if not _allocated(cache):  # as the first call's cache was, if known
+            self._optimized.allocate(cache, _batch(kwargs))
         if not _allocated(cache):
             self._stats.eager_steps += 1
             out = self._eager(*args, **kwargs)
@@ -183,6 +183,15 @@ def _tokens(inputs: Mapping[str, Any]) -> int:
     return 1
 
 
+def _batch(inputs: Mapping[str, Any]) -> int | None:
+    """Sequences this step feeds (beams and returned sequences counted), or None."""
+    for name in ("input_ids", "decoder_input_ids", "inputs_embeds"):
+        value = inputs.get(name)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return value.shape[0]
+    return None
+
+
 def _max_positions(module: nn.Module) -> int | None:
     config = getattr(module, "config", None)
     for name in ("max_position_embeddings", "n_positions"):
@@ -226,9 +235,12 @@ class Generator:
             self._layout = [(type(layer), layer.keys.shape, layer.values.shape,
                              layer.keys.dtype, layer.keys.device) for layer in cache.layers]
 
-    def allocate(self, cache: Any) -> None:
+    def allocate(self, cache: Any, batch: int | None) -> None:
+        """Allocate ``cache``'s tensors for ``batch`` sequences with the recorded layout (the
+        layout's own batch is the first call's: a call with another batch size has its own
+        cache shapes, and graphs)."""
         layers = getattr(cache, "layers", None)
-        if not self._layout or not layers or len(layers) != len(self._layout):
+        if not self._layout or not layers or len(layers) != len(self._layout) or batch is None:
             return
         for layer, (kind, keys, *_) in zip(layers, self._layout, strict=True):
             if type(layer) is not kind or not hasattr(layer, "lazy_initialization") or \
@@ -236,8 +248,8 @@ class Generator:
                 return
         for layer, (_, keys, values, dtype, device) in zip(layers, self._layout, strict=True):
             layer.lazy_initialization(
-                torch.empty((keys[0], keys[1], 0, keys[3]), dtype=dtype, device=device),
-                torch.empty((values[0], values[1], 0, values[3]), dtype=dtype, device=device))
+                torch.empty((batch, keys[1], 0, keys[3]), dtype=dtype, device=device),
+                torch.empty((batch, values[1], 0, values[3]), dtype=dtype, device=device))
 
     def step_for(self, spec: pytree.TreeSpec, name: str, tensors: list[torch.Tensor],
                  inputs: Mapping[str, Any], spec_key: str | None = None) -> Any:

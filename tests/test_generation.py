@@ -161,6 +161,22 @@ def test_other_lengths_share_one_decode_graph() -> None:
     assert [len(r.captures) for r in fast._generator.reports] == [1, 1]
 
 
+def test_calls_with_other_batch_sizes_get_caches_of_their_own_size() -> None:
+    """The second call on sizes its cache from the first call's layout (heads, head size):
+    with its own batch size, not the first call's (a batch-2 call then a batch-1 call
+    allocated a batch-2 cache for one sequence, and the prompt step raised)."""
+    model = _llama()
+    fast = autoopt.optimize(model, (_prompt(),))
+    options = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    for batch in (2, 1, 2):
+        ids = _prompt(batch=batch, length=5 + batch)
+        assert torch.equal(fast.generate(ids, **options), model.generate(ids, **options)), batch
+    assert fast._generator.stats.eager_steps == 0  # allocated ahead: the prompt step's graph
+    # A decode and a prompt graph per batch size (its prompt length symbolic), the second
+    # batch-2 call capturing nothing.
+    assert sorted(len(r.captures) for r in fast._generator.reports) == [1, 1, 1, 1]
+
+
 def test_the_decode_graph_says_why_not_onnxruntime() -> None:
     """The decode step writes the KV cache (its inputs) in place, which an ONNX graph cannot:
     ONNX Runtime is skipped up front (it was exported, run and rolled back on every decode
