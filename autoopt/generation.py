@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -225,7 +226,25 @@ class Generator:
         self._optimized = optimized
         self._steps: dict[Any, Any] = {}
         self._layout: list[tuple[Any, ...]] = []
+        self._weights: tuple[tuple[int, int], ...] = ()  # what the step graphs were built on
         self.stats = GenerationStats()
+
+    def _drop_steps_on_other_weights(self) -> None:
+        """Each step module is built on a copy of the module that reads its tensors' memory
+        as it was then (in-place writes to it, an optimizer step, are seen through the
+        shared version counters and capture again). A tensor given other memory since (the
+        module's first load_state_dict or training call ends its sharing of your model's
+        weights; ``.to()``; ``load_state_dict(assign=True)``) is not seen there: those steps
+        would replay the old weights, so they are dropped and built again."""
+        tensors = itertools.chain(self._optimized.module.parameters(),
+                                  self._optimized.module.buffers())
+        weights = tuple((id(t), t.data_ptr()) for t in tensors)
+        if weights != self._weights:
+            if self._steps:
+                log.info("generate: the module's weights moved to other memory since the "
+                         "step graphs were built; building them again")
+            self._steps.clear()
+            self._weights = weights
 
     def remember_layout(self, cache: Any) -> None:
         """Record the shapes the model's first step gave each cache layer (heads, head
@@ -307,6 +326,7 @@ class Generator:
                               f"KV cache in this transformers version, which autoopt's "
                               f"decoding graphs need; call model.generate instead.")
         kwargs["cache_implementation"] = "static"
+        self._drop_steps_on_other_weights()
         self.stats = GenerationStats()
         started = time.perf_counter()
         driver = copy.copy(module)  # shares submodules and weights; its own forward

@@ -177,6 +177,33 @@ def test_calls_with_other_batch_sizes_get_caches_of_their_own_size() -> None:
     assert sorted(len(r.captures) for r in fast._generator.reports) == [1, 1, 1, 1]
 
 
+def test_weights_loaded_or_trained_after_generating_are_the_ones_generated_with() -> None:
+    """The step graphs read the module's weights as they were when built: a load_state_dict
+    (which gives the module memory of its own, apart from your model's) and later in-place
+    writes (an optimizer step) are generated with, as eager with those weights does."""
+    model = _llama()
+    before = snapshot(model)
+    fast = autoopt.optimize(model, (_prompt(),))
+    options = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    ids = _prompt(batch=2)
+    for _ in range(2):  # the decode and the prompt graphs built
+        assert torch.equal(fast.generate(ids, **options), model.generate(ids, **options))
+    reference = copy.deepcopy(model)
+    state = {k: v * 1.5 if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    reference.load_state_dict(state)
+    fast.module.load_state_dict(state)
+    want = reference.generate(ids, **options)
+    assert not torch.equal(want, model.generate(ids, **options))  # the load changes tokens
+    assert torch.equal(fast.generate(ids, **options), want)
+    assert torch.equal(fast.generate(ids, **options), want)
+    with torch.no_grad():  # an optimizer step's in-place write, on the module's own memory
+        for a, b in zip(fast.module.parameters(), reference.parameters(), strict=True):
+            a.mul_(0.5)
+            b.mul_(0.5)
+    assert torch.equal(fast.generate(ids, **options), reference.generate(ids, **options))
+    assert_bit_identical(model, before)  # yours: neither loaded nor written
+
+
 def test_the_decode_graph_says_why_not_onnxruntime() -> None:
     """The decode step writes the KV cache (its inputs) in place, which an ONNX graph cannot:
     ONNX Runtime is skipped up front (it was exported, run and rolled back on every decode
