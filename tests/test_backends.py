@@ -447,6 +447,13 @@ def test_a_dominated_candidate_is_skipped_once_what_dominates_it_is_built(
         assert events == ["build aten", "build hybrid", "release", "build onnxruntime",
                           "restore"]
         assert (run(), set(choice.seconds)) == ("hybrid", {"aten", "hybrid", "onnxruntime"})
+        # The record of that choice does not serve one asked to measure every candidate.
+        candidates[2].dominated_by = None
+        run, choice = choose_backend("whole graph", candidates, {}, verify=verify,
+                                     timer=lambda run: run, cost_model=cost, what="g",
+                                     required=False, gradients=False,
+                                     reference=lambda: "eager")
+        assert (run(), choice.cached, choice.skipped) == ("inductor", False, {})
     else:
         assert choice.skipped == {"hybrid": "differs from eager (outputs differ)"}
         assert "build inductor" in events and run() == "inductor"

@@ -115,6 +115,9 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
     """
     skipped = dict(skipped)
     requested = [lowering.name for lowering in lowerings] + list(skipped)
+    dominance = [f"{lw.name}<{lw.dominated_by[0]}" for lw in lowerings if lw.dominated_by]
+    if dominance:  # a choice made skipping those is not one made measuring every candidate
+        what = f"{what}|dominated={','.join(dominance)}"
     # The cache holds a choice among the candidates that could be built: one skipped up front
     # then (not installed, not applicable to such a graph) and a candidate now is measured,
     # not hidden by a record made without it.
