@@ -156,10 +156,12 @@ def _inductor_dominated(config: OptimizeConfig, device: torch.device,
     On a CPU the two run the same generated code between the GEMMs and convolutions, and
     differ in those: Inductor's freezing calls MKL's or oneDNN's packed kernels, while
     ``packed_linear`` and ``onednn_conv`` measured each of those against ATen's for every
-    shape and ``hybrid`` calls the fastest. Measured, ``inductor`` was never the faster
-    (docs/benchmarks.md: 1.2-2.2x hybrid's time on the ten rows of the 1-thread inference
-    table; its closest, a Llama-style decoder's prompt step, 1.02x), and its compile is the
-    costliest step of optimize (6-40 s, with a copy of the weights frozen into it). Not so on a GPU
+    shape and ``hybrid`` calls the fastest. What ``inductor`` can still win is what it fuses
+    across a GEMM's edge (a bias or activation as a oneDNN post-op): measured, it took
+    1.2-2.2x hybrid's time on the ten rows of the 1-thread inference table, and at its
+    closest, a Llama-style decoder's prompt step (AMD EPYC, Zen 3), 0.98x and 1.03x in two
+    quiet runs: within the noise of one run's medians, where its compile is the costliest
+    step of optimize (20-40 s cold there, with a copy of the weights frozen into it). Not so on a GPU
     (Triton GEMMs), under the user's Inductor settings (``max-autotune``'s GEMM templates),
     with those passes disabled, or where the user named the candidates.
     """
