@@ -161,9 +161,9 @@ def _inductor_dominated(config: OptimizeConfig, device: torch.device,
     1.2-2.2x hybrid's time on the ten rows of the 1-thread inference table, and at its
     closest, a Llama-style decoder's prompt step (AMD EPYC, Zen 3), 0.98x and 1.03x in two
     quiet runs: within the noise of one run's medians, where its compile is the costliest
-    step of optimize (20-40 s cold there, with a copy of the weights frozen into it). Not so on a GPU
-    (Triton GEMMs), under the user's Inductor settings (``max-autotune``'s GEMM templates),
-    with those passes disabled, or where the user named the candidates.
+    step of optimize (20-40 s cold there, with a copy of the weights frozen into it).
+    Not so on a GPU (Triton GEMMs), under the user's Inductor settings (``max-autotune``'s
+    GEMM templates), with those passes disabled, or where the user named the candidates.
     """
     if device.type != "cpu" or config.backends is not None or \
             config.backend_options.get("inductor") or \
