@@ -4,6 +4,7 @@
     python bench/generate.py --threads 1 --write             # the table in docs/benchmarks.md
     python bench/generate.py --models gpt2 --batches 1 --new 32 --rounds 1   # a quick look
     python bench/generate.py --device cuda --new 64 --out gen.md           # a GPU (bf16 rows)
+    python bench/generate.py --models llama --batches 1 --cold              # + cold setup
 
 Models (random weights, configs built in code, nothing downloaded): GPT-2 at the 124M shape
 (12 layers, width 768) and a Llama-style decoder of ~100M parameters (RoPE, RMSNorm, SwiGLU,
@@ -22,15 +23,21 @@ the batch), the decode speedup over eager, the fraction of new tokens equal to e
 for the low-precision runner, of eager's next tokens it ranks first given eager's prefix), the
 roofline: the weights' bytes each step reads, over the memory bandwidth measured here (a
 large tensor's sum), as tokens/s; and setup: optimize or compile and two calls, less a
-steady call, so every graph either one captures is counted.
+steady call, so every graph either one captures is counted. ``--cold`` adds the setup of a
+new user: each runner set up again in a fresh process with empty Inductor and autoopt caches
+(``TORCHINDUCTOR_CACHE_DIR``, ``XDG_CACHE_HOME``), less a third, steady call.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -134,8 +141,68 @@ def compile_recipe(model: nn.Module) -> Callable[..., Any]:
     return compiled.generate
 
 
+CHILD_MARK = "AUTOOPT_COLD_SETUP "
+
+
+def set_up(label: str, model: nn.Module, ids: torch.Tensor,
+           greedy: dict[str, Any]) -> tuple[Callable[..., Any], torch.Tensor, float]:
+    """One runner made ready as the table's setup column counts it: compiled or optimized,
+    then called twice (every graph captured); returns it, its tokens and the seconds."""
+    start = time.perf_counter()
+    if label == "compile":
+        torch._dynamo.reset()  # each row compiles as a fresh process would
+        runner = compile_recipe(model)
+    else:
+        precision = label.split(" ", 1)[1] if " " in label else None
+        runner = autoopt.optimize(model, (ids,), precision=precision).generate
+    tokens = runner(ids, **greedy)
+    # autoopt's first call runs the prompt step eagerly and sizes the cache; the second
+    # captures the prompt graph: both are setup.
+    runner(ids, **greedy)
+    if ids.is_cuda:
+        torch.cuda.synchronize(ids.device)
+    return runner, tokens, time.perf_counter() - start
+
+
+def cold_setup(name: str, batch: int, prompt: int, new: int, label: str, threads: int,
+               device: torch.device, timeout_s: float = 3600) -> float | str:
+    """``set_up`` in a fresh process with empty Inductor and autoopt caches, less a third,
+    steady call: the seconds, or why there are none."""
+    with tempfile.TemporaryDirectory(prefix="autoopt-cold-") as folder:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{folder}/inductor",
+               "XDG_CACHE_HOME": f"{folder}/xdg"}
+        command = [sys.executable, str(Path(__file__).resolve()), "--child-setup", label,
+                   "--models", name, "--batches", str(batch), "--prompt", str(prompt),
+                   "--new", str(new), "--threads", str(threads), "--device", str(device)]
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True,
+                                  timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return f"stopped after {timeout_s:.0f} s"
+    lines = [line for line in done.stdout.splitlines() if line.startswith(CHILD_MARK)]
+    if done.returncode != 0 or not lines:
+        return f"exit {done.returncode}: {(done.stderr.strip().splitlines() or ['-'])[-1]}"
+    return float(json.loads(lines[-1][len(CHILD_MARK):])["setup_s"])
+
+
+def _child_setup(args: argparse.Namespace) -> int:
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model = MODELS[args.models]().to(device)
+    ids = torch.randint(1, model.config.vocab_size, (int(args.batches), args.prompt),
+                        device=device)
+    greedy = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False)
+    runner, _, seconds = set_up(args.child_setup, model, ids, greedy)
+    start = time.perf_counter()
+    synced(runner, device)(ids, **greedy)
+    steady = time.perf_counter() - start
+    print(CHILD_MARK + json.dumps({"setup_s": seconds - steady}), flush=True)
+    return 0
+
+
 def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
-              bytes_per_s: float, device: torch.device) -> list[dict[str, Any]]:
+              bytes_per_s: float, device: torch.device, cold: bool = False,
+              ) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     model = MODELS[name]().to(device)
     ids = torch.randint(1, model.config.vocab_size, (batch, prompt), device=device)
@@ -148,30 +215,25 @@ def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
     print(f"[{name} b{batch}] eager reference", flush=True)
     tokens["eager"] = model.generate(ids, **greedy)
     print(f"[{name} b{batch}] torch.compile recipe (compiling)", flush=True)
-    torch._dynamo.reset()  # each row compiles as a fresh process would
-    start = time.perf_counter()
     try:
-        recipe = synced(compile_recipe(model), device)
-        tokens["compile"] = recipe(ids, **greedy)
-        recipe(ids, **greedy)
+        recipe, tokens["compile"], setup["compile"] = set_up("compile", model, ids, greedy)
     except Exception as exc:  # noqa: BLE001 - a peer that fails is a row that says so
         failed["compile"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
         print(f"[{name} b{batch}] the recipe failed: {failed['compile']}", flush=True)
     else:
-        runners["compile"] = recipe
-        setup["compile"] = time.perf_counter() - start
+        runners["compile"] = synced(recipe, device)
     low = "int8" if device.type == "cpu" else "bf16"  # int8 is a CPU kernel
-    for label, precision in (("autoopt", None), (f"autoopt {low}", low)):
+    for label in ("autoopt", f"autoopt {low}"):
         print(f"[{name} b{batch}] {label}: optimize and two generate calls", flush=True)
-        start = time.perf_counter()
-        fast = autoopt.optimize(model, (ids,), precision=precision)
-        runners[label] = synced(fast.generate, device)
-        tokens[label] = runners[label](ids, **greedy)
-        # The first call's prompt step runs eagerly and sizes the cache; the second
-        # captures the prompt graph: both are setup.
-        runners[label](ids, **greedy)
-        setup[label] = time.perf_counter() - start
-        modules[label] = fast
+        generate, tokens[label], setup[label] = set_up(label, model, ids, greedy)
+        runners[label] = synced(generate, device)
+        modules[label] = generate.__self__
+    cold_s: dict[str, float | str] = {}
+    for label in ("compile", "autoopt", f"autoopt {low}") if cold else ():
+        if label in runners:
+            print(f"[{name} b{batch}] {label}: cold setup in a fresh process", flush=True)
+            cold_s[label] = cold_setup(name, batch, prompt, new, label,
+                                       torch.get_num_threads(), device)
     print(f"[{name} b{batch}] timing {rounds} interleaved round(s)", flush=True)
     timings = time_generation(runners, ids, new, rounds)
     weights = weight_bytes(model)
@@ -193,12 +255,12 @@ def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
                          forced=forced.get(label),
                          roofline=batch * bytes_per_s / read,
                          setup=setup[label] - t.total_s if label in setup else None,
-                         weights_mib=weights / 2**20))
+                         cold=cold_s.get(label), weights_mib=weights / 2**20))
     return rows
 
 
 def table(rows: list[dict[str, Any]], threads: int, command: str, bytes_per_s: float,
-          prompt: int, new: int, device: torch.device) -> str:
+          prompt: int, new: int, device: torch.device, cold: bool = False) -> str:
     title, machine = heading("LLM decoding", device)
     lines = [
         title, "",
@@ -214,21 +276,29 @@ def table(rows: list[dict[str, Any]], threads: int, command: str, bytes_per_s: f
         f"over eager's sequences; low-precision rows). Setup = the time until every graph "
         f"is ready: optimize or compile plus two calls, less one call's median time (autoopt's "
         f"first call runs the prompt step eagerly to size the cache, its second captures the "
-        f"prompt graph; the recipe compiles in its first).", "",
+        f"prompt graph; the recipe compiles in its first)" + (
+            "; cold setup = the same in a fresh process with empty Inductor and autoopt "
+            "caches, less a third call there (a new user's first run)." if cold else "."),
+        "",
         "| model | batch | runner | first token ms | decode tokens/s | vs eager | roofline "
-        "tokens/s | new tokens = eager's | next token = eager's | setup s |",
-        "|---|---|---|---|---|---|---|---|---|---|"]
+        "tokens/s | new tokens = eager's | next token = eager's | setup s |"
+        + (" cold setup s |" if cold else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cold else "")]
     for r in rows:
         if "failed" in r:
             lines.append(f"| {r['model']} ({r['weights_mib']:.0f} MiB) | {r['batch']} | "
-                         f"{r['runner']} | failed: {r['failed']} | | | | | | |")
+                         f"{r['runner']} | failed: {r['failed']} | | | | | | |"
+                         + (" |" if cold else ""))
             continue
         setup = f"{r['setup']:.1f}" if r["setup"] is not None else "-"
         forced = f"{r['forced']:.1%}" if r["forced"] is not None else "-"
+        found = r.get("cold")
+        first = (f" {found:.1f} |" if isinstance(found, float) else
+                 f" {found or '-'} |") if cold else ""
         lines.append(f"| {r['model']} ({r['weights_mib']:.0f} MiB) | {r['batch']} | "
                      f"{r['runner']} | {r['first_ms']:.1f} | {r['decode']:.1f} | "
                      f"{r['speedup']:.2f}× | {r['roofline']:.0f} | "
-                     f"{r['same']:.1%} | {forced} | {setup} |")
+                     f"{r['same']:.1%} | {forced} | {setup} |{first}")
     return "\n".join(lines) + "\n"
 
 
@@ -244,18 +314,24 @@ def main() -> int:
                         "bf16 rows on a GPU)")
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     parser.add_argument("--out", type=Path, help="also write the table to this file")
+    parser.add_argument("--cold", action="store_true",
+                        help="also time each runner's setup in a fresh process with empty "
+                             "Inductor and autoopt caches")
+    parser.add_argument("--child-setup", metavar="RUNNER", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.child_setup:
+        return _child_setup(args)
     device = torch.device(args.device)
     bytes_per_s = bandwidth(device)
     rows = []
     for name in args.models.split(","):
         for batch in map(int, args.batches.split(",")):
             rows.extend(run_model(name, batch, args.prompt, args.new, args.rounds,
-                                  bytes_per_s, device))
+                                  bytes_per_s, device, args.cold))
     command = "python bench/generate.py " + " ".join(sys.argv[1:])
     publish(table(rows, args.threads, command.strip(), bytes_per_s, args.prompt, args.new,
-                  device), write=args.write, out=args.out)
+                  device, args.cold), write=args.write, out=args.out)
     return 0
 
 
