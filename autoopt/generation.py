@@ -261,9 +261,10 @@ class Generator:
         layers = getattr(cache, "layers", None)
         if not self._layout or not layers or len(layers) != len(self._layout) or batch is None:
             return
-        for layer, (kind, keys, *_) in zip(layers, self._layout, strict=True):
-            if type(layer) is not kind or not hasattr(layer, "lazy_initialization") or \
-                    getattr(layer, "max_cache_len", None) != keys[2]:
+        # The length is the layer's own (``max_cache_len``, which lazy_initialization reads):
+        # a call whose cache is another length bucket allocates with the same layout.
+        for layer, (kind, *_) in zip(layers, self._layout, strict=True):
+            if type(layer) is not kind or not hasattr(layer, "lazy_initialization"):
                 return
         for layer, (_, keys, values, dtype, device) in zip(layers, self._layout, strict=True):
             layer.lazy_initialization(

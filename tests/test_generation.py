@@ -177,6 +177,23 @@ def test_calls_with_other_batch_sizes_get_caches_of_their_own_size() -> None:
     assert sorted(len(r.captures) for r in fast._generator.reports) == [1, 1, 1, 1]
 
 
+def test_a_cache_of_another_length_is_allocated_ahead_too() -> None:
+    """Lengths are rounded up to buckets of 256: a call past the first bucket has a longer
+    cache, and the call after it a shorter one again; each is allocated ahead from the first
+    call's layout, so only the first call's prompt step runs eagerly."""
+    config = transformers.LlamaConfig(vocab_size=_VOCAB, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=512,
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    fast = autoopt.optimize(model, (_prompt(),), backends=("aten",))
+    ids = _prompt()
+    for new, eager_steps in ((4, 1), (260, 0), (4, 0)):
+        options = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        assert torch.equal(fast.generate(ids, **options), model.generate(ids, **options)), new
+        assert fast._generator.stats.eager_steps == eager_steps, new
+
+
 def test_weights_loaded_or_trained_after_generating_are_the_ones_generated_with() -> None:
     """The step graphs read the module's weights as they were when built: a load_state_dict
     (which gives the module memory of its own, apart from your model's) and later in-place
