@@ -175,22 +175,25 @@ _CACHE_BUCKET = 256  # static cache lengths are rounded up to a multiple of this
 _MAX_STEP_MODULES = 4  # cache structures (batch size, length) kept, least recently used out
 
 
-def _tokens(inputs: Mapping[str, Any]) -> int:
-    """Tokens per sequence this step feeds (1 for a decode step)."""
+def _fed(inputs: Mapping[str, Any]) -> torch.Tensor | None:
+    """What this step feeds the model, (sequences, tokens, ...), or None."""
     for name in ("input_ids", "decoder_input_ids", "inputs_embeds"):
         value = inputs.get(name)
         if isinstance(value, torch.Tensor) and value.dim() >= 2:
-            return value.shape[1]
-    return 1
+            return value
+    return None
+
+
+def _tokens(inputs: Mapping[str, Any]) -> int:
+    """Tokens per sequence this step feeds (1 for a decode step)."""
+    fed = _fed(inputs)
+    return fed.shape[1] if fed is not None else 1
 
 
 def _batch(inputs: Mapping[str, Any]) -> int | None:
     """Sequences this step feeds (beams and returned sequences counted), or None."""
-    for name in ("input_ids", "decoder_input_ids", "inputs_embeds"):
-        value = inputs.get(name)
-        if isinstance(value, torch.Tensor) and value.dim() >= 2:
-            return value.shape[0]
-    return None
+    fed = _fed(inputs)
+    return fed.shape[0] if fed is not None else None
 
 
 def _max_positions(module: nn.Module) -> int | None:

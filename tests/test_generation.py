@@ -162,8 +162,8 @@ def test_other_lengths_share_one_decode_graph() -> None:
 
 
 def test_calls_with_other_batch_sizes_get_caches_of_their_own_size() -> None:
-    """The second call on sizes its cache from the first call's layout (heads, head size):
-    with its own batch size, not the first call's (a batch-2 call then a batch-1 call
+    """Each call after the first sizes its cache from the first call's layout (heads, head
+    size), with its own batch size, not the first call's (a batch-2 call then a batch-1 call
     allocated a batch-2 cache for one sequence, and the prompt step raised)."""
     model = _llama()
     fast = autoopt.optimize(model, (_prompt(),))

@@ -74,9 +74,9 @@ class Lowering:
     ``release``: drops what the built callable holds and can make again (its packed weights),
     returning the bytes dropped; the callable still works, making them again when called.
     ``restore``: makes them again now.
-    ``dominated_by``: another candidate's name and why this one cannot be faster than it; once
-    that one is built and verified for the graph, this one is skipped with the reason (not
-    built, not measured).
+    ``dominated_by``: another candidate's name and why this one is not worth building once
+    that one is (it can at most tie it); once that one is built and verified for the graph,
+    this one is skipped with the reason (not built, not measured).
     """
 
     name: str
