@@ -103,7 +103,8 @@ def _run(gm: GraphModule, passes: Sequence[tuple[str, PassFn]], ctx: PassContext
                                       reason=f"{type(exc).__name__}: {_first_line(exc)}"))
             continue
         if not result.modified:
-            records.append(PassRecord(name, "unchanged", seconds=time.perf_counter() - start))
+            records.append(PassRecord(name, "unchanged", seconds=time.perf_counter() - start,
+                                      reason=result.note))
             continue
         if check is not None:
             verdict = check(result.graph_module)

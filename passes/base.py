@@ -18,11 +18,14 @@ class PassResult:
         graph_module: the rewritten module (may be the one passed in).
         modified: whether anything changed; the driver skips re-verification when not.
         counts: how many rewrites of each kind fired, e.g. ``{"dropout": 12}``; shown in the report.
+        note: why nothing changed where the user asked for this pass's work (the report
+            says it).
     """
 
     graph_module: GraphModule
     modified: bool
     counts: Mapping[str, int] = field(default_factory=dict)
+    note: str = ""
 
 
 @dataclass(frozen=True)

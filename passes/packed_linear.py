@@ -466,6 +466,58 @@ def _copies(ctx: PassContext, linear: _Linear, candidates: tuple[str, ...],
     return len(candidates)
 
 
+def against_fp32(gm: GraphModule, ctx: PassContext, node: Node, name: str,
+                 make: Callable[[torch.Tensor, torch.Tensor | None], Callable[[torch.Tensor], Any]],
+                 weight_share: float, measured: dict[str, tuple[str, dict[str, float]]],
+                 ) -> tuple[str, dict[str, float]] | None:
+    """Time another kernel for a linear (``name``: an int8 one) against every fp32 kernel this
+    pass chooses among (ATen's and each packed one), the way this pass times its own: on a
+    random input of the real shape, from memory where the model's weights outgrow the cache.
+
+    Args:
+        node: the linear (``linear``, ``addmm`` or ``mm`` on a constant weight).
+        make: ``make(weight, bias)`` -> the other kernel on a copy of that ``(out, in)``
+            weight, called with the input.
+        weight_share: the other kernel's weight bytes over fp32's (a cold measurement sweeps
+            that many more copies of it through the cache).
+        measured: this pass's results by shape, filled here: each shape is timed once.
+    Returns:
+        The fastest kernel's name and every kernel's seconds; None where the node is not a
+        linear this pass could pack, or its copies would not fit the memory optimize may add.
+    """
+    candidates = kernels(ctx.device)
+    linear = _eligible(gm, node, _weights_outgrow_cache(gm))
+    if linear is None or ctx.cost is None:
+        return None
+    candidates = _usable(linear, candidates)
+    bias = attr(gm, linear.bias) if linear.bias is not None else None
+    what = f"{name}|{_what(linear, bias is not None)}"
+    names = ["aten", *(f"{k}_packed" for k in candidates), name]
+    stored = measured.get(what)
+    if stored is None and (seconds := ctx.cost.recorded(what, names)):
+        stored = min(names, key=lambda n: (seconds[n], names.index(n))), seconds
+    if stored is not None:
+        measured[what] = stored
+        return stored
+    copies = _rotation(linear)
+    others = min(128, max(copies, math.ceil(copies / weight_share))) if copies > 1 else 1
+    need = (len(candidates) * copies + copies - 1 + others * weight_share) * _bytes(linear.weight)
+    if memory.allowance().shortfall(int(need), f"{name}'s measurement against fp32"):
+        return None
+    x = torch.randn(linear.shape, dtype=torch.float32)
+    weights = [linear.weight] + [linear.weight.clone() for _ in range(copies - 1)]
+    runs: dict[str, Callable[[], Any]] = {"aten": lambda: [F.linear(x, w, bias) for w in weights]}
+    for k in candidates:
+        packs = [PackedLinear(w, linear.rows, k, linear.derived) for w in weights]
+        runs[f"{k}_packed"] = lambda packs=packs: [p(x, bias) for p in packs]
+    # Copies of the other kernel's weight, enough to sweep the cache as the fp32 copies do.
+    alternates = [make(weights[i % len(weights)], bias) for i in range(others)]
+    runs[name] = lambda: [f(x) for f in alternates]
+    result = ctx.cost.fastest(what, runs, repeats=7 if linear.cold else 3, cold=linear.cold)
+    measured[what] = result
+    return result
+
+
 # A linear at r rows does r/2 FLOP per byte of its fp32 weight: up to 16 rows (8 FLOP/B) a CPU
 # GEMM is bound by reading the weight (an AMD EPYC core: ~250 GFLOP/s from oneDNN over ~40
 # GB/s, about 6 FLOP/B), so where it reads it from decides its speed; above, the weight is

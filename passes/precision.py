@@ -43,7 +43,14 @@ from .precision_cast import (
     out_of_range,
     range_refusal,
 )
-from .precision_int8 import Int8Interpreter, apply_int8, int8_candidates, int8_engine
+from .precision_int8 import (
+    SLOWER,
+    Int8Interpreter,
+    apply_int8,
+    int8_candidates,
+    int8_engine,
+    slower_than_fp32,
+)
 from .precision_policy import AUTOCAST_LOW, FP32_BY_PRACTICE, training_choice
 
 log = logging.getLogger(__name__)
@@ -279,9 +286,15 @@ def _int8(gm: GraphModule, ctx: PassContext, tolerance: float) -> PassResult:
     # Safety: inference only (a quantized linear has no gradient) and a quantized engine exists.
     if ctx.training or ctx.device.type != "cpu" or int8_engine() is None:
         return PassResult(gm, False)
-    nodes = int8_candidates(gm)
+    candidates = int8_candidates(gm)
+    slow = slower_than_fp32(gm, ctx, candidates)
+    nodes = [n for n in candidates if n.name not in slow]
     if not nodes:
-        return PassResult(gm, False)
+        first = next(iter(slow.values()), "").removeprefix(SLOWER)
+        return PassResult(gm, False, note=(
+            f"int8 measured slower than fp32 on each of the {len(slow)} linear(s) (the first: "
+            f"{first}); pass_options={{'precision': {{'force': True}}}} quantizes anyway")
+            if slow else "")
     names, kinds = [n.name for n in nodes], [_kind(n) for n in nodes]
     packed: dict[str, Any] = {}  # int8 weights, packed once for all trials and the result
     with preserved(gm):
@@ -291,6 +304,7 @@ def _int8(gm: GraphModule, ctx: PassContext, tolerance: float) -> PassResult:
             _MARGIN * tolerance, kinds)
     if not low:
         return PassResult(gm, False)
+    kept.update(slow)
     op_names = {n.name: _op(n) for n in gm.graph.nodes}
     replaced = apply_int8(gm, low, packed)
     gm.meta["precision"] = PrecisionSummary(

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -103,6 +103,53 @@ def apply_int8(gm: GraphModule, names: Iterable[str], packed: dict[str, Any]) ->
         gm.graph.erase_node(node)
         replaced += 1
     return replaced
+
+
+SLOWER = "int8 measured slower than fp32 here: "
+
+
+def slower_than_fp32(gm: GraphModule, ctx: Any, nodes: Iterable[Node]) -> dict[str, str]:
+    """The linears whose int8 kernel (with its row scaling) the cost model measures no faster
+    than the fastest fp32 kernel for the same shape, each with why: on a CPU without VNNI
+    (Zen 3) an int8 decode step measured slower than fp32's, and at a few hundred multiply-adds
+    quantizing the input costs more than the product. Not measured (every node may be int8):
+    without a cost model, or with the precision pass's ``force`` option."""
+    if ctx.cost is None or ctx.options.get("force"):
+        return {}
+    from .packed_linear import against_fp32  # its lowering decides the fp32 kernel
+
+    measured: dict[str, Any] = {}
+    slow = {}
+    with _quiet_deprecation():
+        for node in nodes:
+            rowwise = _rowwise(node)
+            result = against_fp32(
+                gm, ctx, node, "int8",
+                lambda w, b, rowwise=rowwise: int8_linear(w, b, rowwise), 0.25, measured)
+            if result is None or result[0] == "int8":
+                continue
+            best, seconds = result
+            slow[node.name] = (f"{SLOWER}{seconds['int8'] * 1e6:.0f} us against "
+                               f"{seconds[best] * 1e6:.0f} us ({best.removesuffix('_packed')})")
+    return slow
+
+
+def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None,
+                rowwise: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What ``apply_int8`` puts in a linear's place, as a function of its input: ``weight``
+    ``(out, in)`` quantized and packed once."""
+    pack = _pack(weight.detach().contiguous(), None if rowwise or bias is None
+                 else bias.detach())
+    kernel = torch.ops.quantized.linear_dynamic
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if not rowwise:
+            return kernel(x, pack, REDUCE_RANGE)
+        scale = aten.clamp_min(aten.amax(aten.abs(x), [-1], True), _TINY)
+        y = aten.mul(kernel(aten.div(x, scale), pack, REDUCE_RANGE), scale)
+        return y if bias is None else aten.add(y, bias)
+
+    return run
 
 
 class Int8Interpreter(Interpreter):

@@ -279,7 +279,8 @@ def test_int8_cannot_be_exported_and_says_why(tmp_path: Path) -> None:
     with pytest.raises(autoopt.ConfigError, match="quantize_dynamic") as info:
         autoopt.export_onnx(_mlp(), (x,), tmp_path / "q.onnx", precision="int8")
     assert "\x1b" not in str(info.value)
-    fast = autoopt.optimize(_mlp(), (x,), precision="int8", random_inputs=1)
+    fast = autoopt.optimize(_mlp(), (x,), precision="int8", random_inputs=1,
+                            pass_options={"precision": {"force": True}})
     with pytest.raises(autoopt.ConfigError, match="cannot be exported to ONNX"):
         autoopt.export_onnx(fast, (x,), tmp_path / "q.onnx")
 

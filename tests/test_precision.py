@@ -471,13 +471,17 @@ def test_fp16_training_with_grad_scaler_tracks_fp32_on_cuda() -> None:
 
 # --- int8 ------------------------------------------------------------------------------------
 
+# These small layers' int8 kernels measure slower than fp32 (quantizing the input costs more
+# than their products): the tests of what int8 computes quantize them anyway.
+FORCE = {"precision": {"force": True}}
+
 
 def test_int8_quantizes_bert_linears_within_tolerance() -> None:
     model, args, kwargs = bert()
     # Every one of the model's 13 linears: merge_linear, which fuses Q/K/V where it measures
     # faster on this machine, would make that count depend on the machine.
     fast = autoopt.optimize(model, args, kwargs, precision="int8", tolerance=5e-2,
-                            disable=("merge_linear",))
+                            disable=("merge_linear",), pass_options=FORCE)
     summary = fast.report.captures[0].precision
     assert summary is not None and summary.precision == "int8" and summary.low_ops == 13
     graph = fast.specializations[0].graph.graph
@@ -494,7 +498,7 @@ def test_int8_quantizes_gpt2_s_conv1d_projections() -> None:
     ids = torch.randint(0, 128, (2, 8))
     kwargs = {"use_cache": False}
     fast = autoopt.optimize(model, (ids,), kwargs, precision="int8", tolerance=5e-2,
-                            disable=("merge_linear",))
+                            disable=("merge_linear",), pass_options=FORCE)
     summary = fast.report.captures[0].precision
     assert summary is not None and summary.low_ops == 2 * 4 + 1  # 4 per block, and the head
     graph = fast.specializations[0].graph.graph
@@ -510,15 +514,97 @@ def test_int8_scales_each_row_of_the_input_on_its_own() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32, bias=False)).eval()
     x = torch.randn(2, 64) * torch.tensor([[100.0], [0.01]])
-    fast = autoopt.optimize(model, (x,), precision="int8", tolerance=5e-2)
+    fast = autoopt.optimize(model, (x,), precision="int8", tolerance=5e-2, pass_options=FORCE)
     assert fast.report.captures[0].precision.low_ops == 1
     with torch.no_grad():
         small, expected = fast(x)[1], model(x)[1]
     assert (small - expected).abs().max() <= 2e-2 * expected.abs().max()
-    one = autoopt.optimize(model, (x[1:],), precision="int8", tolerance=5e-2)
+    one = autoopt.optimize(model, (x[1:],), precision="int8", tolerance=5e-2,
+                           pass_options=FORCE)
     targets = [n.target for n in one.specializations[0].graph.graph.nodes]
     assert torch.ops.quantized.linear_dynamic.default in targets
     assert aten.amax.default not in targets
+
+class Int8Against:
+    """A cost model that measures int8 against fp32 as given: ``int8_wins`` holds the output
+    widths whose int8 kernel wins. It runs every candidate once, so that each computes what
+    the fp32 linear does (int8 within its rounding)."""
+
+    def __init__(self, int8_wins: set[int]) -> None:
+        self.int8_wins = int8_wins
+        self.asked: list[str] = []
+
+    def recorded(self, what: str, names: object) -> None:
+        return None
+
+    def fastest(self, what: str, candidates: dict[str, Any], repeats: int = 3,
+                cold: bool = False) -> tuple[str, dict[str, float]]:
+        self.asked.append(what)
+        outputs = {name: run()[0] for name, run in candidates.items()}
+        for name, out in outputs.items():
+            torch.testing.assert_close(out, outputs["aten"], rtol=0.05, atol=0.05, msg=name)
+        width = outputs["aten"].shape[-1]
+        best = "int8" if width in self.int8_wins else "aten"
+        return best, {name: 1e-4 if name == best else 2e-4 for name in candidates}
+
+
+def test_int8_keeps_fp32_where_the_int8_kernel_measures_slower() -> None:
+    """On a CPU without VNNI an int8 decode step measured slower than fp32's: each linear's
+    int8 kernel is timed against fp32's kernels, and a slower one stays in fp32 with the
+    measurement as its reason."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 32)).eval()
+    x = torch.randn(4, 64)
+    gm = _export(model, x)
+    cost = Int8Against({48})
+    result = cast_precision(gm, PassContext((x,), cost=cost, options={"precision": "int8"}))
+    assert result.modified and len(cost.asked) == 2
+    assert all(w.startswith("int8|linear|") for w in cost.asked)
+    summary = result.graph_module.meta["precision"]
+    assert summary.low_ops == 1
+    (kept,) = summary.kept
+    assert "int8 measured slower than fp32 here: 200 us against 100 us (aten)" in kept.why
+    targets = [n.target for n in result.graph_module.graph.nodes]
+    assert targets.count(torch.ops.quantized.linear_dynamic.default) == 1
+    assert targets.count(aten.linear.default) == 1
+    # Slower everywhere: nothing changes, and the note says why and what forces it.
+    gm = _export(model, x)
+    result = cast_precision(gm, PassContext((x,), cost=Int8Against(set()),
+                                            options={"precision": "int8"}))
+    assert not result.modified
+    assert "slower than fp32 on each of the 2 linear(s)" in result.note and "force" in result.note
+    # force: not measured, every linear in int8 (within the tolerance).
+    cost = Int8Against(set())
+    result = cast_precision(gm, PassContext((x,), cost=cost, options={
+        "precision": "int8", "force": True}))
+    assert not cost.asked and result.graph_module.meta["precision"].low_ops == 2
+
+
+def test_int8_slower_everywhere_is_said_in_the_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through optimize: the request is not silently dropped; the report's warning names the
+    measurement and the option that quantizes anyway."""
+    from autoopt.cost_model import CostModel
+
+    def int8_loses(self: Any, what: str, candidates: dict[str, Any], *args: Any,
+                   **kwargs: Any) -> tuple[str, dict[str, float]]:
+        if not what.startswith("int8|"):
+            return original(self, what, candidates, *args, **kwargs)
+        return "aten", {name: 2e-4 if name == "int8" else 1e-4 for name in candidates}
+
+    original, recorded = CostModel.fastest, CostModel.recorded
+    monkeypatch.setattr(CostModel, "fastest", int8_loses)
+    monkeypatch.setattr(CostModel, "recorded", lambda self, what, names: None if what.startswith(
+        "int8|") else recorded(self, what, names))
+    model = nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 32)).eval()
+    x = torch.randn(4, 64)
+    fast = autoopt.optimize(model, (x,), precision="int8")
+    assert fast.report.captures[0].precision is None
+    (note,) = [w for w in fast.report.warnings if w.startswith("precision='int8' not applied")]
+    assert "int8 measured slower than fp32 on each of the 2 linear(s)" in note
+    assert "'force': True" in note
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x))
+
 
 # --- ONNX ------------------------------------------------------------------------------------
 
