@@ -478,8 +478,8 @@ def against_fp32(gm: GraphModule, ctx: PassContext, node: Node, name: str,
         node: the linear (``linear``, ``addmm`` or ``mm`` on a constant weight).
         make: ``make(weight, bias)`` -> the other kernel on a copy of that ``(out, in)``
             weight, called with the input.
-        weight_share: the other kernel's weight bytes over fp32's (a cold measurement sweeps
-            that many more copies of it through the cache).
+        weight_share: the other kernel's weight bytes over fp32's (for the memory its copies
+            take while measured).
         measured: this pass's results by shape, filled here: each shape is timed once.
     Returns:
         The fastest kernel's name and every kernel's seconds; None where the node is not a
@@ -500,8 +500,7 @@ def against_fp32(gm: GraphModule, ctx: PassContext, node: Node, name: str,
         measured[what] = stored
         return stored
     copies = _rotation(linear)
-    others = min(128, max(copies, math.ceil(copies / weight_share))) if copies > 1 else 1
-    need = (len(candidates) * copies + copies - 1 + others * weight_share) * _bytes(linear.weight)
+    need = (len(candidates) * copies + copies - 1 + copies * weight_share) * _bytes(linear.weight)
     if memory.allowance().shortfall(int(need), f"{name}'s measurement against fp32"):
         return None
     x = torch.randn(linear.shape, dtype=torch.float32)
@@ -510,8 +509,10 @@ def against_fp32(gm: GraphModule, ctx: PassContext, node: Node, name: str,
     for k in candidates:
         packs = [PackedLinear(w, linear.rows, k, linear.derived) for w in weights]
         runs[f"{k}_packed"] = lambda packs=packs: [p(x, bias) for p in packs]
-    # Copies of the other kernel's weight, enough to sweep the cache as the fp32 copies do.
-    alternates = [make(weights[i % len(weights)], bias) for i in range(others)]
+    # As many calls as each fp32 candidate makes, each on a weight of its own: after the
+    # cache is evicted each is read from memory once, as the fp32 copies are (more copies
+    # of the smaller weight would time more calls, not a colder one).
+    alternates = [make(w, bias) for w in weights]
     runs[name] = lambda: [f(x) for f in alternates]
     result = ctx.cost.fastest(what, runs, repeats=7 if linear.cold else 3, cold=linear.cold)
     measured[what] = result
