@@ -4,6 +4,7 @@ padding, errors."""
 from __future__ import annotations
 
 import copy
+import importlib
 import math
 from typing import Any
 
@@ -533,6 +534,8 @@ class Int8Against:
     def __init__(self, int8_wins: set[int]) -> None:
         self.int8_wins = int8_wins
         self.asked: list[str] = []
+        self.cold: list[bool] = []
+        self.calls: list[set[int]] = []
 
     def recorded(self, what: str, names: object) -> None:
         return None
@@ -540,7 +543,11 @@ class Int8Against:
     def fastest(self, what: str, candidates: dict[str, Any], repeats: int = 3,
                 cold: bool = False) -> tuple[str, dict[str, float]]:
         self.asked.append(what)
-        outputs = {name: run()[0] for name, run in candidates.items()}
+        self.cold.append(cold)
+        runs = {name: run() for name, run in candidates.items()}
+        # Each candidate sweeps as many weights, each read once: the same number of calls.
+        self.calls.append({len(r) for r in runs.values()})
+        outputs = {name: r[0] for name, r in runs.items()}
         for name, out in outputs.items():
             torch.testing.assert_close(out, outputs["aten"], rtol=0.05, atol=0.05, msg=name)
         width = outputs["aten"].shape[-1]
@@ -578,6 +585,24 @@ def test_int8_keeps_fp32_where_the_int8_kernel_measures_slower() -> None:
     result = cast_precision(gm, PassContext((x,), cost=cost, options={
         "precision": "int8", "force": True}))
     assert not cost.asked and result.graph_module.meta["precision"].low_ops == 2
+
+
+def test_int8_against_fp32_from_memory_times_as_many_calls(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the weights outgrow the cache (a decode step), each candidate sweeps copies of
+    the weight from memory: the int8 kernel as many calls as fp32's, not four times as many
+    copies of its smaller weight (which kept a Llama-style decoder's linears in fp32)."""
+    lowering = importlib.import_module("autoopt.passes.packed_linear")  # not the pass itself
+    monkeypatch.setattr(lowering, "cpu_cache_bytes", lambda last_level=False: 1 << 14)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 32)).eval()
+    x = torch.randn(1, 64)
+    cost = Int8Against({48, 32})
+    result = cast_precision(_export(model, x), PassContext((x,), cost=cost, options={
+        "precision": "int8"}))
+    assert cost.cold == [True, True] and all(w.endswith("|cold") for w in cost.asked)
+    assert [len(c) for c in cost.calls] == [1, 1] and min(min(c) for c in cost.calls) > 1
+    assert result.graph_module.meta["precision"].low_ops == 2
 
 
 def test_int8_slower_everywhere_is_said_in_the_report(monkeypatch: pytest.MonkeyPatch) -> None:
