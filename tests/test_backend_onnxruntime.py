@@ -133,6 +133,57 @@ def test_keywords_subclasses_and_unread_inputs_take_the_general_path(
         torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-5)
 
 
+class Mixer(nn.Module):
+    """Two inputs of one shape and dtype that play different parts: fed to each other's
+    place, the result differs (as a tokenizer's attention mask and token type ids would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None,
+                shift: torch.Tensor | None = None) -> torch.Tensor:
+        return self.fc(x) * gate + shift
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("optimized_as, called_as", [
+    (("shift", "gate"), ("gate", "shift")),  # the forward's order: a call in another
+    (("gate", "shift"), ("shift", "gate")),
+])
+def test_keywords_in_another_order_than_optimized_reach_their_inputs(
+        lowered: list[ort.OrtGraph], optimized_as: tuple[str, str],
+        called_as: tuple[str, str]) -> None:
+    """The guards match keywords in any order; ONNX Runtime's inputs are in one. The swapped
+    tensors (same shape and dtype) went to each other's inputs: a wrong answer, silently."""
+    model = Mixer().eval()
+    x, values = torch.randn(3, 8), {"gate": torch.rand(3, 8) + 2, "shift": torch.randn(3, 8)}
+    fast = optimized(model, (x,), {k: values[k] for k in optimized_as})
+    expected = model(x, **values)
+    for run in (fast, lowered[-1]):
+        for order in (optimized_as, called_as):
+            torch.testing.assert_close(run(x, **{k: values[k] for k in order}), expected,
+                                       rtol=1e-5, atol=1e-5)
+    assert len(fast.specializations) == 1
+
+
+def test_an_optimized_module_exports_with_its_keywords_wired_by_name(tmp_path: Path) -> None:
+    """``export_onnx`` of a module optimized with keywords out of the forward's order: the
+    file's inputs were named in one order and wired in the other (verification failed; with
+    ``verify=False``, a wrong file)."""
+    model = Mixer().eval()
+    x, values = torch.randn(3, 8), {"gate": torch.rand(3, 8) + 2, "shift": torch.randn(3, 8)}
+    fast = autoopt.optimize(model, (x,), {"shift": values["shift"], "gate": values["gate"]})
+    path = tmp_path / "mixer.onnx"
+    report = autoopt.export_onnx(fast, (x,), path, example_kwargs=values, verify=False)
+    session = autoopt.onnx_session(path)
+    with torch.no_grad():
+        expected = model(x, **values)
+    got = session.run({"x": x, **values})
+    torch.testing.assert_close(got[report.outputs[0]], expected, rtol=1e-5, atol=1e-5)
+    autoopt.export_onnx(fast, (x,), tmp_path / "verified.onnx", example_kwargs=values)
+
+
 @torch.no_grad()
 def test_a_wrong_input_is_an_input_error(lowered: list[ort.OrtGraph]) -> None:
     model = Net().eval()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from .. import memory_profile
 from ..capture import objects
-from ..export.onnx_io import flat_tensors, name_inputs, name_outputs
+from ..export.onnx_io import flat_tensors, in_forward_order, name_inputs, name_outputs
 from ..export.onnx_writer import weight_bytes, write_onnx
 from ..export.program import symbolic_dims
 from ..export.session import OnnxSession, onnx_session
@@ -35,14 +36,19 @@ class OrtGraph:
 
     Args:
         session: the session over the exported graph.
-        input_names: one name per tensor input, in pytree order of ``(args, kwargs)``.
+        input_names: one name per tensor input, in pytree order of ``(args, kwargs)`` with
+            the keywords in ``keywords``' order.
         expected: an output of the model, whose structure (and non-tensor leaves, which the
             graph specialized) the results are put back into.
+        keywords: the keyword inputs' names in the graph's order: a call's keywords, in any
+            order, are put in it before their tensors are matched to ``input_names``.
     """
 
-    def __init__(self, session: OnnxSession, input_names: list[str], expected: Any) -> None:
+    def __init__(self, session: OnnxSession, input_names: list[str], expected: Any,
+                 keywords: Sequence[str] = ()) -> None:
         self.session = session
         self.input_names = input_names
+        self._keywords = list(keywords)
         leaves, self._spec = objects.flatten(expected)
         self._leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         self._single = self._spec.is_leaf() and self._leaves == [None]  # one tensor
@@ -63,6 +69,9 @@ class OrtGraph:
         if not kwargs and len(args) == len(self.input_names) and all(map(_plain_tensor, args)):
             tensors: Any = args  # the common call: its tensors are its arguments, in order
         else:
+            if list(kwargs) != self._keywords and set(kwargs) == set(self._keywords):
+                # The guards match keywords in any order; the file's inputs are in one.
+                kwargs = {key: kwargs[key] for key in self._keywords}
             tensors = list(flat_tensors(args, kwargs, self.input_names).values())
         results = self.session.run_ordered([tensors[i].contiguous() for i in self._fed])
         if self._single:
@@ -86,6 +95,9 @@ def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str
         forward: the model's forward, which names the ONNX inputs.
         expected: the model's output on ``(args, kwargs)``.
     """
+    # The exporter takes the keywords in the graph's own order (its forward's parameters, as
+    # captured); given in another, it named each ONNX input after another's tensor.
+    kwargs = in_forward_order(gm.forward, kwargs)
     input_names = name_inputs(forward, args, kwargs)
     output_names = name_outputs(expected)
     threads = torch.get_num_threads() if device.type == "cpu" else None
@@ -109,7 +121,7 @@ def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str
             else:
                 log.info("onnxruntime: the exported graph from the cache (%s), this run's "
                          "weights", entry)
-                return OrtGraph(session, input_names, expected)
+                return OrtGraph(session, input_names, expected, list(kwargs))
         # The weights go to a file beside the graph, always: written into the protobuf they
         # were serialized in memory and parsed back by the session, each a copy of them
         # (a 106 M-parameter decoder: this candidate's growth +1.28 → +0.57 GiB, 6.4 → 4.7 s).
@@ -129,7 +141,7 @@ def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str
         # the folder can go once the session is open.
         with memory_profile.stage("onnxruntime session"):
             session = onnx_session(path, device, threads=threads)
-    return OrtGraph(session, input_names, expected)
+    return OrtGraph(session, input_names, expected, list(kwargs))
 
 
 def memory_estimate(gm: GraphModule) -> int:

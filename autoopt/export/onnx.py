@@ -240,6 +240,10 @@ def export_onnx(model_or_optimized: nn.Module, example_inputs: Any, path: str | 
         gm, method = _whole_graph(optimized, args, kwargs)
     if _quantized_ops(gm):
         raise ConfigError(_INT8_MESSAGE)
+    # The graph takes the keywords in the order they were captured in; the exporter, given
+    # them in another, named each ONNX input after another's tensor. The file's inputs are in
+    # the graph's order (for a module optimized here, the forward's).
+    kwargs = in_forward_order(gm.forward, kwargs)
 
     input_names = name_inputs(eager.forward, args, kwargs)
     output_names = name_outputs(expected)
