@@ -135,6 +135,31 @@ def test_weights_the_exporter_computes_are_not_cached(exports: list[Path]) -> No
 
 
 @torch.no_grad()
+def test_a_graph_exported_with_zero_weights_serves_only_zero_weights(
+        exports: list[Path]) -> None:
+    """A freshly initialized BatchNorm folds into a bias of zeros, which the exporter drops
+    from its Conv. The cached graph had no bias at all, and a later model of the same shapes
+    with a bias got it: off by the bias, silently with ``verify=False`` (with verification
+    ONNX Runtime was rolled back for it). The key now says which weights are zeros."""
+    x = torch.randn(1, 3, 8, 8)
+    fresh = Net(channels=4).eval()  # conv bias off, BatchNorm as initialized: folded bias 0
+    fresh.conv.bias = None
+    trained = Net(channels=4).eval()
+    trained.conv.bias = None
+    with torch.no_grad():
+        trained.bn.bias.uniform_(0.5, 1.0)
+        trained.bn.running_mean.uniform_(-1, 1)
+    for model in (fresh, trained, Net(channels=4).eval().requires_grad_(False)):
+        if model is not fresh and model is not trained:
+            model.conv.bias = None  # zeros again: the first entry serves it
+        fast = autoopt.optimize(model, (x,), backend="onnxruntime", verify=False)
+        assert fast.specializations[0].backend == "onnxruntime"
+        torch.testing.assert_close(fast(x), model(x))
+    assert len(exports) == 2
+    assert len(list(onnx_cache.folder().glob("*.onnx"))) == 2
+
+
+@torch.no_grad()
 def test_the_entry_compares_every_block_of_every_weight(
         exports: list[Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The exported weights are read back a block of rows at a time (a few bytes here):

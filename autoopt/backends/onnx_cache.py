@@ -13,8 +13,12 @@ weights are always this run's, never the cached run's, and the session maps the 
 than holding a copy of it. Not cached: a graph where the exporter computed a weight of its
 own (a floating initializer that is none of the module's tensors, as when it folds an
 embedding lookup of a constant index, or one named after a tensor that holds other values, as
-when it folds a BatchNorm into a convolution), devices other than the CPU. The session is
-verified against eager like any lowering, cached or not.
+when it folds a BatchNorm into a convolution), a graph that reads a weight the file holds no
+initializer for (the exporter specialized on its values), devices other than the CPU. The one
+such weight allowed is one of zeros, which the exporter drops (a freshly initialized
+BatchNorm's folded bias): the key says which weights are zeros, so that graph serves only
+weights that are zeros there too. The session is verified against eager like any lowering,
+cached or not.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from ..cost_model import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-_FORMAT = 2
+_FORMAT = 3  # 3: the key says which weights are zeros
 _ALIGN = 1 << 16  # where each weight starts in a written file (ORT maps each from there)
 _BLOCK = 1 << 24  # bytes of a written weight read back at a time
 # Dtypes whose tensors ONNX Runtime can take from numpy views of the module's memory.
@@ -63,7 +67,10 @@ def key(gm: GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
     digest.update(f"{_FORMAT}|{gm.code}|{input_names}|{output_names}|{device.type}|"
                   f"{dynamic!r}".encode())
     for name, t in sorted(tensors_of(gm).items()):
-        digest.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        # Which weights are all zeros: the exporter drops those (a freshly initialized
+        # BatchNorm's folded bias), so the graph depends on it (see ``store``).
+        zero = "=0" if _all_zero(t) else ""
+        digest.update(f"{name}:{tuple(t.shape)}:{t.dtype}{zero};".encode())
     for leaf in pytree.tree_leaves((args, kwargs)):
         digest.update((f"{tuple(leaf.shape)}:{leaf.dtype};" if isinstance(leaf, torch.Tensor)
                        else f"{type(leaf).__name__}={leaf!r};").encode())
@@ -174,6 +181,19 @@ def store(entry: str, path: Path, gm: GraphModule) -> str:
         emptied[init.name] = {"of": of, "shape": list(t.shape), "dtype": str(t.dtype),
                               "transpose": transpose}
         _point(init, "autoopt-weights-not-stored", 0, held.numel() * dtype.itemsize)
+    # A weight the graph reads that no initializer holds: the exporter decided on its values.
+    # It drops a bias of zeros from its Conv (a freshly initialized BatchNorm's, folded): the
+    # key says which weights are zeros, so that graph serves only weights zero there too;
+    # anything else makes the graph one for these values only. (By identity: tied weights
+    # are one initializer.)
+    held = {id(tensors[of["of"]]) for of in emptied.values()}
+    read = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr" and n.users}
+    for name in sorted(read):
+        t = tensors.get(name)
+        if (t is not None and t.is_floating_point() and t.numel() and id(t) not in held
+                and not _all_zero(t)):
+            return (f"the exported graph holds no initializer for {name!r}: the exporter "
+                    f"specialized the graph on its values")
     target = folder()
     target.mkdir(parents=True, exist_ok=True)
     _write(target / f"{entry}.onnx", proto.SerializeToString())
@@ -181,6 +201,11 @@ def store(entry: str, path: Path, gm: GraphModule) -> str:
     _write(target / f"{entry}.json", json.dumps({"format": _FORMAT,
                                                   "initializers": emptied}).encode())
     return ""
+
+
+def _all_zero(t: torch.Tensor) -> bool:
+    return (t.is_floating_point() and t.numel() > 0 and t.device.type != "meta"
+            and not bool(t.detach().any()))
 
 
 def _point(init: Any, location: str, offset: int, length: int) -> None:
