@@ -25,6 +25,7 @@ from .guards import InputSignature, current_modes, needs_gradients, signature_of
 from .report import Report
 from .runtime import cuda_graphs
 from .specialize import Capturer, Compiled, model_device
+from .state import has_hooks
 from .verify import clone_inputs
 from .watch import ModuleWatch
 
@@ -167,6 +168,7 @@ class OptimizedModule(nn.Module):
                     return None
                 self._retrack()  # assigned for good (module.weight = Parameter(...))
             self._check_attributes()
+            self._check_hooks()
             training = training_flags(self._submodules)
             self._settled = (tags, training)
         specs = self._specializations
@@ -191,6 +193,21 @@ class OptimizedModule(nn.Module):
         # With no graph too: the snapshot must hold what the next capture traces, or a value
         # later put back to the snapshot's would pass for unchanged.
         self._watch.refresh_attributes()
+
+    def _check_hooks(self) -> None:
+        """A forward or backward hook registered after capture (on ``fast.module``'s
+        submodules, or globally) is one no whole graph runs: those graphs go, and the next
+        call captures with the hooks there (Dynamo, which runs them). Read only when some
+        dict the watch tags changed."""
+        specs = self._specializations
+        if not any(s.signature is not None for s in specs):
+            return  # Dynamo guards on hooks itself, eager runs them
+        if not has_hooks(self.module, ignore=self._capturer.own_hooks):
+            return
+        self._drop_graphs(lambda s: s.signature is not None,
+                          "forward/backward hooks were registered after capture (a whole "
+                          "graph runs none): the model is captured again with them, by "
+                          "Dynamo, which runs them")
 
     # --- weights written after capture ----------------------------------------------------
 

@@ -111,7 +111,7 @@ class Capturer:
                  on_state_write: Callable[[], None] | None = None) -> None:
         self._on_state_write = on_state_write
         # Hooks the model installed on its first call, kept with the state (see _probe).
-        self._own_hooks: set[HookKey] = set()
+        self.own_hooks: set[HookKey] = set()
         # Whether a probe kept state a first call wrote (the owner's watch then re-reads it).
         self.kept_state = False
         # The parameters and buffers the last probe's forward wrote in place (a call
@@ -197,7 +197,7 @@ class Capturer:
         every later call runs (``_first_call_only``). State written on every call stays an
         obstacle. The user's model is never run here."""
         obstacles = []
-        if has_hooks(self.module, ignore=self._own_hooks):
+        if has_hooks(self.module, ignore=self.own_hooks):
             obstacles.append("the model has forward/backward hooks, which a graph would run "
                              "only once at capture time")
         hooks = hook_keys(self.module)
@@ -226,7 +226,7 @@ class Capturer:
                                  "a traced graph would drop")
         if kept is not None:  # preserved put back the state from before: the first call's
             assign_attributes(self.module, kept)
-            self._own_hooks |= installed
+            self.own_hooks |= installed
             self.kept_state = True
             log.info("capture: forward's first call writes %s, which later calls keep: kept "
                      "on autoopt's copy and captured as later calls run",

@@ -24,7 +24,7 @@ __all__ = ["ABSENT", "HookKey", "StateKey", "assign_attributes", "attribute_copi
            "attribute_values", "changed_state", "has_hooks", "hook_keys", "own_buffers",
            "preserved", "python_state", "remove_hooks", "state_names", "uses_custom_autograd"]
 
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 # Where a hook's options live, under the hook's handle id.
 _HOOK_EXTRAS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                 "_forward_pre_hooks_with_kwargs")
@@ -118,7 +118,7 @@ HookKey = tuple[str, str, int]  # (submodule path, hook table, handle id)
 def hook_keys(module: nn.Module) -> set[HookKey]:
     """Every forward/backward hook registered on the module's submodules (by path, so the
     keys hold for a copy of the module too)."""
-    return {(path, name, key) for path, m in module.named_modules() for name in _HOOK_DICTS
+    return {(path, name, key) for path, m in module.named_modules() for name in HOOK_TABLES
             for key in (getattr(m, name, None) or {})}
 
 

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from .cost_model.isolation import _MODULE_INTERNALS
+from .state import HOOK_TABLES
 
 # Parameters and buffers assigned to a watched module (``module.weight = Parameter(...)``,
 # ``register_buffer``, ``load_state_dict(assign=True)``) are counted on its watch.
@@ -155,9 +156,9 @@ class ModuleWatch:
         # The slot tables of the snapshot too: those of a module since detached are still
         # what ``replaced`` compares.
         for m in self.module.modules():
-            for d in (vars(m), m._parameters, m._buffers, m._modules):
+            for d in (vars(m), m._parameters, m._buffers, m._modules, *_hook_tables(m)):
                 dicts.setdefault(id(d), d)
-        for d in itertools.chain(self._slots[0], self._getters[0]):
+        for d in itertools.chain(self._slots[0], self._getters[0], _global_hook_tables()):
             dicts.setdefault(id(d), d)
         return list(dicts.values())
 
@@ -430,6 +431,13 @@ def _tags_track_changes() -> bool:
         change()
         return tags.read() != before
 
+    hooks = _Tags(_hook_tables(probe))  # OrderedDicts: a dict's layout, its tags
+    before = hooks.read()
+    handle = probe.register_forward_hook(lambda *_: None)
+    registered = hooks.read()
+    handle.remove()
+    if not before != registered != hooks.read():
+        return False
     parameter = nn.Parameter(torch.zeros(2))
     changes: list[Callable[[], Any]] = [
         lambda: setattr(probe, "scale", 0.5), lambda: object.__setattr__(probe, "scale", 2.0),
@@ -443,6 +451,19 @@ def _tags_track_changes() -> bool:
         lambda: delattr(plain, "scale")]
     return (all(map(moves, changes))
             and all(_stores_move(tags, target) for target in (probe, plain, probe, plain)))
+
+
+def _hook_tables(module: nn.Module) -> list[dict[Any, Any]]:
+    """The module's forward and backward hook tables: a hook registered after capture is one
+    the graphs do not run (``OptimizedModule._check_hooks``)."""
+    return [t for t in (getattr(module, n, None) for n in HOOK_TABLES) if isinstance(t, dict)]
+
+
+def _global_hook_tables() -> list[dict[Any, Any]]:
+    from torch.nn.modules import module as module_impl
+
+    tables = (getattr(module_impl, f"_global{n}", None) for n in HOOK_TABLES)
+    return [t for t in tables if isinstance(t, dict)]
 
 
 class _Plain:

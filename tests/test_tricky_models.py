@@ -246,6 +246,34 @@ def test_forward_hooks_run_on_every_call() -> None:
     assert seen == [(3, 4), (3, 4)]  # once for fast, once for eager
 
 
+def test_hooks_registered_after_optimize_run_on_later_calls() -> None:
+    """A hook registered on ``fast.module`` after capture: the whole graph (its BatchNorm
+    folded by a pass) kept serving calls and ran none (an ablation hook ignored: a wrong
+    answer; a recording hook saw nothing). Its graphs go, and Dynamo, which runs hooks,
+    captures the model again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 6 * 6, 4)).eval()
+    twin = copy.deepcopy(model)
+    v = x(2, 3, 8, 8)
+    with torch.no_grad():
+        fast = autoopt.optimize(model, (v,))
+        assert fast.report.captures[0].method == "export"
+        fast(v)
+        seen: list[tuple[int, ...]] = []
+        for m in (fast.module, twin):
+            m[0].register_forward_hook(lambda mod, inp, out: out * 0.5)
+            m[4].register_forward_hook(lambda mod, inp, out: seen.append(tuple(out.shape)))
+        w = x(2, 3, 8, 8)
+        torch.testing.assert_close(fast(w), twin(w))  # captured again (verification runs)
+        seen.clear()
+        torch.testing.assert_close(fast(v), twin(v))
+        assert seen == [(2, 4), (2, 4)]  # once for fast, once for the twin
+    assert any("hooks were registered after capture" in n for n in fast.report.warnings)
+    for a, b in zip(model.state_dict().values(), twin.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b)  # the user's model is not the one hooked
+
+
 def test_batchnorm_in_train_mode_updates_running_stats_like_eager() -> None:
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).train()
     reference = copy.deepcopy(model)
