@@ -66,6 +66,19 @@ from .verify import (
 log = logging.getLogger(__name__)
 
 
+class _HookGuarded:
+    """Dynamo's compiled module, traced with guards on the modules' hooks: by default Dynamo
+    assumes no hook is registered or removed after it compiled (``torch._dynamo.config.
+    skip_nnmodule_hook_guards``), and one registered later on ``fast.module`` never ran."""
+
+    def __init__(self, compiled: Callable[..., Any]) -> None:
+        self.compiled = compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+            return self.compiled(*args, **kwargs)
+
+
 @dataclass
 class Compiled:
     """A compiled form of the model and the inputs it may be called with (None: any)."""
@@ -404,8 +417,8 @@ class Capturer:
                 record: CaptureRecord) -> Compiled:
         record.method = "dynamo"
         backend = functools.partial(autoopt_backend, config=self._config, record=record)
-        compiled = torch.compile(self.module, backend=backend,
-                                 dynamic=True if self._dynamic else None)
+        compiled = _HookGuarded(torch.compile(self.module, backend=backend,
+                                              dynamic=True if self._dynamic else None))
         if self._config.verify:
             result = self._verify(compiled, args, kwargs)
             record.verification = result

@@ -269,6 +269,12 @@ def test_hooks_registered_after_optimize_run_on_later_calls() -> None:
         seen.clear()
         torch.testing.assert_close(fast(v), twin(v))
         assert seen == [(2, 4), (2, 4)]  # once for fast, once for the twin
+        # One more on the Dynamo capture: Dynamo guards on hooks there (by default it
+        # assumes none is added after it compiled, and this one never ran).
+        for m in (fast.module, twin):
+            m[2].register_forward_hook(lambda mod, inp, out: out + 1.0)
+        torch.testing.assert_close(fast(v), twin(v))
+    assert fast.report.captures[-1].method == "dynamo"
     assert any("hooks were registered after capture" in n for n in fast.report.warnings)
     for a, b in zip(model.state_dict().values(), twin.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b)  # the user's model is not the one hooked
