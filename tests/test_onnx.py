@@ -156,6 +156,7 @@ def test_dynamo_captured_model_cannot_be_exported(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"dynamic": "time"}, autoopt.ConfigError, "unknown dimension"),
+    ({"dynamic": 1}, autoopt.ConfigError, "give a dimension name or a list"),
     ({"exporter": "tf"}, autoopt.ConfigError, "exporter='tf'"),
     ({"path": "/nonexistent/dir/m.onnx"}, autoopt.ConfigError, "does not exist"),
 ])
@@ -164,6 +165,12 @@ def test_bad_arguments(tmp_path: Path, kwargs: dict[str, Any], error: type[Excep
     path = kwargs.pop("path", tmp_path / "m.onnx")
     with pytest.raises(error, match=message):
         autoopt.export_onnx(Scorer().eval(), _scorer_inputs(), path, **kwargs)
+
+
+def test_dynamic_none_is_no_dynamic_dimension(tmp_path: Path) -> None:
+    report = autoopt.export_onnx(Scorer().eval(), _scorer_inputs(), tmp_path / "m.onnx",
+                                 dynamic=None)
+    assert report.ok
 
 
 def test_dynamic_batch_needs_an_example_batch_of_two(tmp_path: Path) -> None:

@@ -61,8 +61,13 @@ def check_writable(path: Path, what: str) -> None:
         path.unlink(missing_ok=True)
 
 
-def check_dynamic(dynamic: str | Sequence[str]) -> tuple[str, ...]:
-    """``dynamic=`` as a tuple of names from ``DYNAMIC_DIMS``."""
+def check_dynamic(dynamic: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``dynamic=`` as a tuple of names from ``DYNAMIC_DIMS`` (None: none)."""
+    if dynamic is None:
+        return ()
+    if not isinstance(dynamic, (str, list, tuple, set, frozenset)):
+        raise ConfigError(f"dynamic={dynamic!r}: give a dimension name or a list of them, "
+                          f"from {DYNAMIC_DIMS}")
     dims = (dynamic,) if isinstance(dynamic, str) else tuple(dynamic)
     unknown = [d for d in dims if d not in DYNAMIC_DIMS]
     if unknown:
