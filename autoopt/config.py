@@ -87,6 +87,17 @@ class OptimizeConfig:
     optimize_memory: int | float | str | None = None
 
     def __post_init__(self) -> None:
+        # None for a collection option means none, as leaving it out does.
+        for name, empty in (("disable", ()), ("capture", CAPTURE_METHODS), ("pass_options", {}),
+                            ("backend_options", {})):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, empty)
+        for name in ("pass_options", "backend_options"):
+            value = getattr(self, name)
+            if not isinstance(value, Mapping) or not all(
+                    isinstance(v, Mapping) for v in value.values()):
+                raise ConfigError(f"{name} maps a name to a dict of options, e.g. "
+                                  f"{{'packed_linear': {{'measure': False}}}}; got {value!r}")
         object.__setattr__(self, "disable", tuple(self.disable))
         object.__setattr__(self, "capture", tuple(self.capture))
         if self.pipeline is not None:

@@ -5,6 +5,7 @@
     python bench/generate.py --models gpt2 --batches 1 --new 32 --rounds 1   # a quick look
     python bench/generate.py --device cuda --new 64 --out gen.md           # a GPU (bf16 rows)
     python bench/generate.py --models llama --batches 1 --cold              # + cold setup
+    python bench/generate.py --models llama --int8-forced    # + int8 on every linear it may
 
 Models (random weights, configs built in code, nothing downloaded): GPT-2 at the 124M shape
 (12 layers, width 768) and a Llama-style decoder of ~100M parameters (RoPE, RMSNorm, SwiGLU,
@@ -15,7 +16,10 @@ batch 1 and 8. Runners, interleaved per round, medians over rounds:
 - ``eager``: ``model.generate`` (dynamic KV cache, transformers' default);
 - ``compile``: transformers' documented recipe, ``generation_config.cache_implementation =
   "static"`` and ``model.forward = torch.compile(model.forward)``;
-- ``autoopt``: ``autoopt.optimize(model, (ids,)).generate(...)``, and with ``precision="int8"``.
+- ``autoopt``: ``autoopt.optimize(model, (ids,)).generate(...)``, and with ``precision="int8"``
+  (each linear in int8 where its error fits and its int8 kernel measures faster); with
+  ``--int8-forced`` also ``autoopt int8 forced``: ``pass_options={"precision": {"force":
+  True}}``, int8 wherever the error fits, its speed not measured.
 
 Columns: time to first token (until the first token's logits, within the timed call),
 decode tokens/s (tokens after the first, per second of the call after the first token, times
@@ -153,8 +157,11 @@ def set_up(label: str, model: nn.Module, ids: torch.Tensor,
         torch._dynamo.reset()  # each row compiles as a fresh process would
         runner = compile_recipe(model)
     else:
-        precision = label.split(" ", 1)[1] if " " in label else None
-        runner = autoopt.optimize(model, (ids,), precision=precision).generate
+        words = label.split()  # "autoopt", "autoopt int8", "autoopt int8 forced"
+        precision = words[1] if len(words) > 1 else None
+        options = {"precision": {"force": True}} if words[-1] == "forced" else None
+        runner = autoopt.optimize(model, (ids,), precision=precision,
+                                  pass_options=options).generate
     tokens = runner(ids, **greedy)
     # autoopt's first call runs the prompt step eagerly and sizes the cache; the second
     # captures the prompt graph: both are setup.
@@ -202,7 +209,7 @@ def _child_setup(args: argparse.Namespace) -> int:
 
 def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
               bytes_per_s: float, device: torch.device, cold: bool = False,
-              ) -> list[dict[str, Any]]:
+              int8_forced: bool = False) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     model = MODELS[name]().to(device)
     ids = torch.randint(1, model.config.vocab_size, (batch, prompt), device=device)
@@ -223,7 +230,8 @@ def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
     else:
         runners["compile"] = synced(recipe, device)
     low = "int8" if device.type == "cpu" else "bf16"  # int8 is a CPU kernel
-    for label in ("autoopt", f"autoopt {low}"):
+    labels = ("autoopt", f"autoopt {low}") + ((f"autoopt {low} forced",) if int8_forced else ())
+    for label in labels:
         print(f"[{name} b{batch}] {label}: optimize and two generate calls", flush=True)
         generate, tokens[label], setup[label] = set_up(label, model, ids, greedy)
         runners[label] = synced(generate, device)
@@ -241,13 +249,14 @@ def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
     eager = timings["eager"].decode_tokens_per_s
     # Only where the weights are stored in low precision: fp32 runners generate eager's tokens.
     print(f"[{name} b{batch}] autoopt {low}: next tokens given eager's prefix", flush=True)
-    quantized = f"autoopt {low}"
-    forced = {quantized: next_token_agreement(modules[quantized], model, tokens["eager"], prompt)}
+    forced = {label: next_token_agreement(modules[label], model, tokens["eager"], prompt)
+              for label in labels[1:]}
     rows: list[dict[str, Any]] = [dict(model=name, batch=batch, runner=label, failed=why,
                                        weights_mib=weight_bytes(model) / 2**20)
                                   for label, why in failed.items()]
     for label, t in timings.items():
-        read = read_fp32 / {"int8": 4, "bf16": 2}.get(label.rsplit(" ", 1)[-1], 1)
+        words = label.split()
+        read = read_fp32 / {"int8": 4, "bf16": 2}.get(words[1] if len(words) > 1 else "", 1)
         rows.append(dict(model=name, batch=batch, runner=label,
                          first_ms=t.first_token_s * 1e3, decode=t.decode_tokens_per_s,
                          speedup=t.decode_tokens_per_s / eager,
@@ -317,6 +326,9 @@ def main() -> int:
     parser.add_argument("--cold", action="store_true",
                         help="also time each runner's setup in a fresh process with empty "
                              "Inductor and autoopt caches")
+    parser.add_argument("--int8-forced", action="store_true",
+                        help="also autoopt int8 with pass_options={'precision': {'force': "
+                             "True}}: int8 wherever its error fits, its speed not measured")
     parser.add_argument("--child-setup", metavar="RUNNER", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -328,7 +340,7 @@ def main() -> int:
     for name in args.models.split(","):
         for batch in map(int, args.batches.split(",")):
             rows.extend(run_model(name, batch, args.prompt, args.new, args.rounds,
-                                  bytes_per_s, device, args.cold))
+                                  bytes_per_s, device, args.cold, args.int8_forced))
     command = "python bench/generate.py " + " ".join(sys.argv[1:])
     publish(table(rows, args.threads, command.strip(), bytes_per_s, args.prompt, args.new,
                   device, args.cold), write=args.write, out=args.out)

@@ -73,6 +73,11 @@ def test_unknown_options_and_bad_values() -> None:
         autoopt.optimize(linear(), x, disable=["fuse_everything"])
     with pytest.raises(ConfigError, match="capture must be"):
         autoopt.optimize(linear(), x, capture=["magic"])
+    with pytest.raises(ConfigError, match="pass_options maps a name to a dict of options"):
+        autoopt.optimize(linear(), x, pass_options={"precision": "force"})
+    # None for a collection option is none, as leaving it out is (it raised TypeError).
+    fast = autoopt.optimize(linear(), x, pass_options=None, backend_options=None, disable=None)
+    assert fast.config.pass_options == {} and fast.config.disable == ()
     with pytest.raises(ConfigError, match="random_inputs must be an integer >= 0"):
         autoopt.optimize(linear(), x, random_inputs=-1)
     with pytest.raises(ConfigError, match="max_specializations must be an integer >= 1"):
