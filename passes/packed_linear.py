@@ -313,7 +313,7 @@ def packed_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
     counts = {"linear": 0, **dict.fromkeys(KERNELS, 0), "linear_kept_aten": 0, "packed_mib": 0}
     packed_bytes = 0
     graph = gm.graph
-    cold = measure and _weights_outgrow_cache(gm)
+    cold = measure and weights_outgrow_cache(gm)
     chosen = _measure_first(gm, ctx, candidates, cold) if measure else {}
     for node in list(graph.nodes):
         linear = _eligible(gm, node, cold)
@@ -469,7 +469,7 @@ def _copies(ctx: PassContext, linear: _Linear, candidates: tuple[str, ...],
 def against_fp32(gm: GraphModule, ctx: PassContext, node: Node, name: str,
                  make: Callable[[torch.Tensor, torch.Tensor | None], Callable[[torch.Tensor], Any]],
                  weight_share: float, measured: dict[str, tuple[str, dict[str, float]]],
-                 ) -> tuple[str, dict[str, float]] | None:
+                 cold: bool) -> tuple[str, dict[str, float]] | None:
     """Time another kernel for a linear (``name``: an int8 one) against every fp32 kernel this
     pass chooses among (ATen's and each packed one), the way this pass times its own: on a
     random input of the real shape, from memory where the model's weights outgrow the cache.
@@ -481,12 +481,13 @@ def against_fp32(gm: GraphModule, ctx: PassContext, node: Node, name: str,
         weight_share: the other kernel's weight bytes over fp32's (for the memory its copies
             take while measured).
         measured: this pass's results by shape, filled here: each shape is timed once.
+        cold: ``weights_outgrow_cache(gm)``, found once for all the graph's linears.
     Returns:
         The fastest kernel's name and every kernel's seconds; None where the node is not a
         linear this pass could pack, or its copies would not fit the memory optimize may add.
     """
     candidates = kernels(ctx.device)
-    linear = _eligible(gm, node, _weights_outgrow_cache(gm))
+    linear = _eligible(gm, node, cold)
     if linear is None or ctx.cost is None:
         return None
     candidates = _usable(linear, candidates)
@@ -538,7 +539,7 @@ def _rotation(linear: _Linear) -> int:
     return 1 if not linear.cold or size >= sweep else min(128, -(-sweep // size))
 
 
-def _weights_outgrow_cache(gm: GraphModule) -> bool:
+def weights_outgrow_cache(gm: GraphModule) -> bool:
     """Whether the linears' weights together are larger than the last-level cache: then each
     call reads its weight from memory, not from cache (a decoder's step reads every weight
     once), and the kernels are measured that way. At one row, from cache, ATen and MKL measure

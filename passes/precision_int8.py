@@ -116,16 +116,17 @@ def slower_than_fp32(gm: GraphModule, ctx: Any, nodes: Iterable[Node]) -> dict[s
     without a cost model, or with the precision pass's ``force`` option."""
     if ctx.cost is None or ctx.options.get("force"):
         return {}
-    from .packed_linear import against_fp32  # its lowering decides the fp32 kernel
+    from .packed_linear import against_fp32, weights_outgrow_cache  # its fp32 kernels
 
     measured: dict[str, Any] = {}
+    cold = weights_outgrow_cache(gm)
     slow = {}
     with _quiet_deprecation():
         for node in nodes:
             rowwise = _rowwise(node)
             result = against_fp32(
                 gm, ctx, node, "int8",
-                lambda w, b, rowwise=rowwise: int8_linear(w, b, rowwise), 0.25, measured)
+                lambda w, b, rowwise=rowwise: int8_linear(w, b, rowwise), 0.25, measured, cold)
             if result is None or result[0] == "int8":
                 continue
             best, seconds = result
