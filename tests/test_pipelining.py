@@ -116,6 +116,29 @@ def test_backward_through_the_pipeline_gives_eager_gradients() -> None:
         torch.testing.assert_close(param.grad, expected[name].grad, rtol=1e-4, atol=1e-6)
 
 
+def test_a_pipeline_optimized_for_inference_refuses_gradients() -> None:
+    """An eval-mode model pipelined without training=True: its stages fold the BatchNorm and
+    run oneDNN convolutions with no backward. A backward through it reached the last linear
+    alone, and ``train_step`` trained that, silently; now its outputs carry no gradient, an
+    input that asks for one and ``train_step`` are a ConfigError, and the outputs are eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)).eval()
+    x = torch.randn(4, 3, 8, 8)
+    pipe = autoopt.optimize(model, (x,), devices=["cpu", "cpu"], microbatches=2)
+    y = pipe(x)
+    assert not y.requires_grad
+    with torch.no_grad():
+        torch.testing.assert_close(y, model(x), rtol=1e-4, atol=1e-5)
+    with pytest.raises(autoopt.ConfigError, match="optimized for inference.*training=True"):
+        pipe(x.clone().requires_grad_())
+    with pytest.raises(autoopt.ConfigError, match="optimized for inference"):
+        pipe.train_step((x,), torch.zeros(4, 4), nn.functional.mse_loss)
+    trainable = autoopt.optimize(model, (x,), devices=["cpu", "cpu"], microbatches=2,
+                                 training=True)
+    assert trainable(x).requires_grad
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_train_step_gives_eager_gradients(schedule: str) -> None:
     model, args, _ = gpt2()

@@ -27,6 +27,12 @@ from .microbatches import check_mergeable_outputs, merge_microbatches, split_mic
 from .schedules import gpipe_order, one_f_one_b_order
 from .stages import emit_stages, place_stage, shared_parameters, traced_values
 
+_INFERENCE_ONLY = (
+    "this pipeline was optimized for inference (an eval-mode model, training=False): its "
+    "stages fold weights into constants and run kernels without a backward, so gradients "
+    "through it would reach only the weights left unfolded. Optimize with training=True to "
+    "train through the pipeline, or call it without gradients (torch.no_grad()).")
+
 
 class Pipeline(nn.Module):
     """Stages on their devices, run as a pipeline over microbatches.
@@ -62,8 +68,22 @@ class Pipeline(nn.Module):
         self._in_spec = in_spec
         self._out_spec = out_spec
         self._streams = _Streams(self.devices)
+        # Set by ``optimize(..., training=False)``: stages captured for inference, with
+        # weights folded into constants and kernels that have no backward.
+        self.inference_only = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.inference_only and torch.is_grad_enabled():
+            if any(isinstance(x, torch.Tensor) and x.requires_grad
+                   for x in pytree.tree_leaves((args, kwargs))):
+                raise ConfigError(_INFERENCE_ONLY)
+            # Its outputs carry no gradient (a backward raises), where a partial one (the
+            # few weights left unfolded) would silently train the last layers alone.
+            with torch.no_grad():
+                return self._run(args, kwargs)
+        return self._run(args, kwargs)
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         micro = split_microbatches(self._flatten(args, kwargs), self.microbatches)
         self._check_shapes(micro[0])
         for _, s, m in gpipe_order(len(self.stages), self.microbatches, backward=False):
@@ -87,6 +107,8 @@ class Pipeline(nn.Module):
         the microbatch count when ``scale_grads``, as for a mean-reduced loss)."""
         if schedule not in ("gpipe", "1f1b"):
             raise ConfigError(f"schedule must be 'gpipe' or '1f1b'; got {schedule!r}")
+        if self.inference_only:
+            raise ConfigError(_INFERENCE_ONLY)
         k, n = len(self.stages), self.microbatches
         micro_in = split_microbatches(self._flatten(args, kwargs or {}), n)
         self._check_shapes(micro_in[0])

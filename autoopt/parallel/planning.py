@@ -175,6 +175,7 @@ def pipeline_module(optimized: OptimizedModule, args: tuple[Any, ...], kwargs: d
     plan = plan_stages(gm, flat, specs, cost_model=optimized.cost_model,
                        microbatches=config.microbatches, training=training)
     pipe = pipeline_from_graph(gm, plan, config.microbatches)
+    pipe.inference_only = not training
     pipe.report = optimized.report
     if config.verify:
         # Both runs start from the caller's inputs as given (a forward may write them in
