@@ -155,6 +155,22 @@ def test_a_pt2_file_is_a_model_for_every_command(tmp_path: Path,
     assert "stage" in capsys.readouterr().out
 
 
+def test_a_pt2_file_is_optimized_for_inference_unless_train(tmp_path: Path) -> None:
+    """``ExportedProgram.module()`` comes back in train mode: without ``--train`` the program
+    was optimized for training (a gradient capture, no inference backend)."""
+    import argparse
+
+    from autoopt.cli.common import load_workload
+
+    pt2 = tmp_path / "net.pt2"
+    torch.export.save(torch.export.export(_Net().eval(), (torch.randn(2, 8),)), str(pt2))
+    args = argparse.Namespace(model=str(pt2), threads=None, input=["2x8"], dtype="float32",
+                              int_high=100)
+    for train in (False, True):
+        model, _, _ = load_workload(args, train=train)
+        assert model.training is train
+
+
 def test_optimize_dynamic_save_keeps_the_dynamic_dims(tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     source = tmp_path / "net.py"

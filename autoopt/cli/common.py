@@ -64,7 +64,7 @@ def load_workload(args: argparse.Namespace, *, train: bool | None = None,
         torch.set_num_threads(args.threads)
     stage(f"loading {args.model}")
     model = load_model(args.model)
-    if train is not None and not args.model.endswith(".pt2"):  # a program's mode is baked in
+    if train is not None:  # a program's ops are as exported; its flags choose the capture
         model.train(train)
     inputs, kwargs = model_inputs(args.input, args.dtype, args.int_high)
     return model, inputs, kwargs
