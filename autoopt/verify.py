@@ -291,7 +291,8 @@ def fresh_like(value: Any, generator: torch.Generator) -> Any:
     """A random value of the same type, shape and dtype as ``value``, drawn to look like it.
 
     Floating tensors get the example's mean and spread (a float 0/1 mask stays a 0/1 mask,
-    with some positions masked); integer tensors (token ids, class
+    with some positions masked); an integer 0/1 mask (at least two dimensions, some ones)
+    gets another 0/1 pattern with some zeros; other integer tensors (token ids, class
     indices) stay within the example's range so they index the same tables; booleans (masks)
     and non-tensor values are kept, since changing them can change what the model means.
     Parameters are kept as they are.
@@ -327,6 +328,14 @@ def fresh_like(value: Any, generator: torch.Generator) -> Any:
         return out.requires_grad_(value.requires_grad)
     if value.is_complex():
         return value.clone()
+    if value.dim() >= 2 and bool((value == 1).any()) and bool(((value == 0) | (value == 1)).all()):
+        # An integer 0/1 mask (a tokenizer's attention_mask): all ones in the example, the
+        # range below would keep it all ones, and padded positions (where ONNX Runtime's
+        # attention gave other values than eager's) were never verified. Another 0/1
+        # pattern, with some zeros, as for a float mask.
+        p = min(max(float(value.double().mean()), 0.25), 0.75)
+        draw = torch.rand(value.shape, generator=generator, dtype=torch.float64) < p
+        return draw.to(dtype=value.dtype, device=value.device)
     # Within the example's observed [min, max], both ends included (randint's end is
     # exclusive): an index table the example fits, the fresh values fit too.
     low, high = int(value.min()), int(value.max())

@@ -167,6 +167,27 @@ def test_keywords_in_another_order_than_optimized_reach_their_inputs(
     assert len(fast.specializations) == 1
 
 
+@torch.no_grad()
+def test_left_padded_rows_are_eager_s_whichever_backend_runs() -> None:
+    """GPT-2 optimized with an all-ones mask: ONNX Runtime's attention gave other values than
+    eager's at left-padded positions (7% of the logits' scale), and verification never drew
+    a padded mask. Now it does: the candidate that differs there is not chosen."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                     n_positions=32)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids, mask = torch.randint(0, 64, (2, 10)), torch.ones(2, 10, dtype=torch.int64)
+    fast = autoopt.optimize(model, (ids,), {"attention_mask": mask, "use_cache": False},
+                            backends=("onnxruntime", "aten"))
+    padded = mask.clone()
+    padded[0, :3] = 0
+    got = fast(ids, attention_mask=padded, use_cache=False).logits
+    torch.testing.assert_close(got, model(ids, attention_mask=padded, use_cache=False).logits,
+                               rtol=1e-4, atol=1e-5)
+
+
 def test_an_optimized_module_exports_with_its_keywords_wired_by_name(tmp_path: Path) -> None:
     """``export_onnx`` of a module optimized with keywords out of the forward's order: the
     file's inputs were named in one order and wired in the other (verification failed; with

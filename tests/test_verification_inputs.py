@@ -174,6 +174,21 @@ def test_integers_are_drawn_within_the_observed_range() -> None:
         assert int(a[1].min()) >= top[0] and int(a[1].max()) <= top[1]
 
 
+def test_an_integer_mask_of_ones_is_verified_with_padding_too() -> None:
+    """A tokenizer's attention_mask (int64, all ones in the example): drawn within its range
+    it stayed all ones, and padded positions were never verified (ONNX Runtime's attention
+    differed from eager's there). It gets 0/1 patterns with zeros; all-zero token type ids and
+    a 1-D 0/1 index stay within their range."""
+    mask, types, index = torch.ones(2, 16, dtype=torch.int64), torch.zeros(2, 16,
+                                                                           dtype=torch.int64), \
+        torch.tensor([0, 1, 1])
+    sets = input_sets((mask, types, index), {}, 4)[1:]
+    for (m, t, i), _ in sets:
+        assert m.dtype == torch.int64 and set(m.unique().tolist()) <= {0, 1}
+        assert not t.any() and set(i.unique().tolist()) <= {0, 1}
+    assert all((m == 0).any() for (m, _, _), _ in sets)
+
+
 # --- the optimized version raising -------------------------------------------------------------
 
 
