@@ -86,6 +86,8 @@ def test_file_spec_named_inputs_and_save_round_trip(tmp_path: Path,
      "which is empty for --int-high 0"),
     (["optimize", "torch.nn:Identity", "--input", "x=2x3", "--input", "x=4x3"],
      "--input 'x=4x3' names 'x' again (after 'x=2x3')"),
+    (["optimize", "torch.nn:Identity", "--input", "2x3", "--threads", "0"],
+     "--threads 0 is not a thread count"),
 ])
 def test_misuse_gives_a_clear_error(argv: list[str], message: str,
                                     capsys: pytest.CaptureFixture[str]) -> None:

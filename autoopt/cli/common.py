@@ -60,14 +60,23 @@ def load_workload(args: argparse.Namespace, *, train: bool | None = None,
     the ``--input`` specs."""
     from .loading import load_model, model_inputs
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     stage(f"loading {args.model}")
     model = load_model(args.model)
     if train is not None:  # a program's ops are as exported; its flags choose the capture
         model.train(train)
     inputs, kwargs = model_inputs(args.input, args.dtype, args.int_high)
     return model, inputs, kwargs
+
+
+def set_threads(threads: int | None) -> None:
+    """``--threads``: PyTorch's thread count; 0 or fewer is an error (0 was taken as "leave
+    it", silently)."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise ConfigError(f"--threads {threads} is not a thread count: give 1 or more")
+    torch.set_num_threads(threads)
 
 
 def parse_size(option: str, text: str) -> int:

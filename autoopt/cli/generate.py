@@ -16,7 +16,7 @@ import torch
 from ..errors import ConfigError
 from ..export.onnx_writer import weight_bytes
 from ..passes.precision import PRECISIONS
-from .common import add_common_arguments
+from .common import add_common_arguments, set_threads
 from .progress import output, stage
 
 
@@ -96,8 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
     if min(args.prompt_len, args.new, args.batch, args.rounds) < 1:
         raise ConfigError("--prompt-len, --new, --batch and --rounds must be at least 1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     stage(f"loading {args.model}")
     model = load_model(args.model).eval()
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from ..errors import ConfigError
 from ..export.session import OnnxSession
 from .common import add_common_arguments
 from .progress import output, stage
@@ -30,6 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..export.session import onnx_session
 
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads {args.threads} is not a thread count: give 1 or more")
     stage(f"loading {args.model}")
     session = onnx_session(args.model, device=args.device, threads=args.threads)
     device = torch.device(args.device)
