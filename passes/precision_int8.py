@@ -141,16 +141,19 @@ def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None,
     ``(out, in)`` quantized and packed once."""
     pack = _pack(weight.detach().contiguous(), None if rowwise or bias is None
                  else bias.detach())
-    kernel = torch.ops.quantized.linear_dynamic
+    return lambda x: _int8_call(x, pack, rowwise, bias)
 
-    def run(x: torch.Tensor) -> torch.Tensor:
-        if not rowwise:
-            return kernel(x, pack, REDUCE_RANGE)
-        scale = aten.clamp_min(aten.amax(aten.abs(x), [-1], True), _TINY)
-        y = aten.mul(kernel(aten.div(x, scale), pack, REDUCE_RANGE), scale)
-        return y if bias is None else aten.add(y, bias)
 
-    return run
+def _int8_call(x: torch.Tensor, pack: Any, rowwise: bool,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """The int8 linear ``_emit`` writes into the graph, run eagerly (the bias is in ``pack``
+    unless the rows are scaled)."""
+    if not rowwise:
+        return torch.ops.quantized.linear_dynamic(x, pack, REDUCE_RANGE)
+    scale = aten.clamp_min(aten.amax(aten.abs(x), [-1], True), _TINY)
+    y = aten.mul(torch.ops.quantized.linear_dynamic(aten.div(x, scale), pack, REDUCE_RANGE),
+                 scale)
+    return y if bias is None else aten.add(y, bias)
 
 
 class Int8Interpreter(Interpreter):
@@ -165,15 +168,9 @@ class Int8Interpreter(Interpreter):
     def run_node(self, n: Node) -> Any:
         if n.name not in self.names:
             return super().run_node(n)
-        x = self.env[_input(n)]
-        weights = _packed_for(self.module, n, self.packed)
-        if not _rowwise(n):
-            return torch.ops.quantized.linear_dynamic(x, weights, REDUCE_RANGE)
-        scale = aten.clamp_min(aten.amax(aten.abs(x), [-1], True), _TINY)
-        y = aten.mul(torch.ops.quantized.linear_dynamic(aten.div(x, scale), weights,
-                                                        REDUCE_RANGE), scale)
         bias = _bias(n)
-        return y if bias is None else aten.add(y, self.env[bias])
+        return _int8_call(self.env[_input(n)], _packed_for(self.module, n, self.packed),
+                          _rowwise(n), None if bias is None else self.env[bias])
 
 
 # A row of zeros keeps a step of 1 instead of dividing by zero.

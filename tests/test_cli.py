@@ -88,6 +88,8 @@ def test_file_spec_named_inputs_and_save_round_trip(tmp_path: Path,
      "--input 'x=4x3' names 'x' again (after 'x=2x3')"),
     (["optimize", "torch.nn:Identity", "--input", "2x3", "--threads", "0"],
      "--threads 0 is not a thread count"),
+    (["run", "missing.onnx", "--input", "2x3", "--threads", "0"],
+     "--threads 0 is not a thread count"),
 ])
 def test_misuse_gives_a_clear_error(argv: list[str], message: str,
                                     capsys: pytest.CaptureFixture[str]) -> None:

@@ -69,14 +69,17 @@ def load_workload(args: argparse.Namespace, *, train: bool | None = None,
     return model, inputs, kwargs
 
 
-def set_threads(threads: int | None) -> None:
-    """``--threads``: PyTorch's thread count; 0 or fewer is an error (0 was taken as "leave
-    it", silently)."""
-    if threads is None:
-        return
-    if threads < 1:
+def check_threads(threads: int | None) -> int | None:
+    """``--threads`` as given; 0 or fewer is an error (0 was taken as "leave it", silently)."""
+    if threads is not None and threads < 1:
         raise ConfigError(f"--threads {threads} is not a thread count: give 1 or more")
-    torch.set_num_threads(threads)
+    return threads
+
+
+def set_threads(threads: int | None) -> None:
+    """``--threads``: PyTorch's thread count (None: leave it)."""
+    if check_threads(threads) is not None:
+        torch.set_num_threads(threads)
 
 
 def parse_size(option: str, text: str) -> int:

@@ -9,9 +9,8 @@ import time
 
 import torch
 
-from ..errors import ConfigError
 from ..export.session import OnnxSession
-from .common import add_common_arguments
+from .common import add_common_arguments, check_threads
 from .progress import output, stage
 
 
@@ -31,10 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..export.session import onnx_session
 
-    if args.threads is not None and args.threads < 1:
-        raise ConfigError(f"--threads {args.threads} is not a thread count: give 1 or more")
+    threads = check_threads(args.threads)
     stage(f"loading {args.model}")
-    session = onnx_session(args.model, device=args.device, threads=args.threads)
+    session = onnx_session(args.model, device=args.device, threads=threads)
     device = torch.device(args.device)
     feeds = {name: t.to(device) for name, t in _feeds(session, args.input,
                                                       args.int_high).items()}
