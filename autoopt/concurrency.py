@@ -46,6 +46,17 @@ class CaptureGate:
                 if not self._readers:
                     self._cond.notify_all()
 
+    def wait_for_captures(self) -> None:
+        """Return once no other thread is capturing: its tracing swaps other tensors into the
+        modules' slots for a moment, which a call checking the slots must not take for the
+        user's own swap."""
+        me = threading.get_ident()
+        if self._writer is None or self._writer == me:  # the common call: no lock taken
+            return
+        with self._cond:
+            while self._writer is not None and self._writer != me:
+                self._cond.wait()
+
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
         me = threading.get_ident()

@@ -135,7 +135,13 @@ class OptimizedModule(nn.Module):
         return self.specialization_for(args, kwargs).graph
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        GATE.wait_for_captures()
         training = self._checked()
+        if training is None:
+            # A capture that began in another thread after the wait may have swapped its
+            # tracing tensors in: once it is done, what remains swapped is the caller's.
+            GATE.wait_for_captures()
+            training = self._checked()
         if training is None:
             # Swapped in for this call (torch.func.functional_call, stateless
             # reparametrization): eager reads them where they are.

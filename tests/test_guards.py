@@ -290,6 +290,48 @@ def test_concurrent_calls_with_new_shapes_give_eager_results() -> None:
     assert torch.ones(2).sum().item() == 2.0  # no fake mode left behind in this thread
 
 
+
+class _PausesInExport(nn.Module):
+    """Holds its capture for a new batch size mid-trace, while export has its own tensors in
+    the module's slots. (Events on the class: autoopt captures a deep copy.)"""
+
+    tracing = threading.Event()
+    resume = threading.Event()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_exporting() and x.shape[0] == 3:
+            self.tracing.set()
+            self.resume.wait(30)
+        return self.lin(x).relu()
+
+
+def test_a_call_during_another_threads_capture_runs_its_graph_after_it() -> None:
+    _PausesInExport.tracing.clear()
+    _PausesInExport.resume.clear()
+    model = _PausesInExport().eval()
+    fast = autoopt.optimize(model, (torch.randn(2, 8),))
+    x = torch.randn(2, 8)
+    capture = threading.Thread(target=fast, args=(torch.randn(3, 8),))
+    capture.start()
+    assert model.tracing.wait(30)
+    result: dict[str, torch.Tensor] = {}
+    call = threading.Thread(target=lambda: result.setdefault("y", fast(x)))
+    call.start()
+    call.join(0.3)
+    assert call.is_alive()  # held back until the capture is done, not run on its tensors
+    model.resume.set()
+    capture.join()
+    call.join()
+    with torch.no_grad():
+        torch.testing.assert_close(result["y"], model(x))
+    # It was not taken for the caller's swap (functional_call): no eager run, no warning.
+    assert not any("replaced" in w for w in fast.report.warnings), fast.report.warnings
+    assert fast.specialization_for((x,)).graph is not None
+
 def test_frozen_weights_folded_into_a_gradient_graph_are_watched() -> None:
     """Fine-tuning a head on a frozen backbone: with gradients on, passes still fold the
     frozen BatchNorm into its frozen convolution (no gradient reaches them), so a load that
