@@ -229,6 +229,22 @@ def test_convolutions_answering_in_channels_last_keep_their_layout() -> None:
     assert_same_function(model, fast, (x,), {})
 
 
+def test_convolutions_in_a_graph_with_symbolic_sizes_keep_their_layout() -> None:
+    """With ``dynamic=True`` the op's shape function ran the convolution on fake tensors,
+    which answer contiguous; the generated code asserted that against oneDNN's channels-last
+    result, and hybrid was never built for such a graph."""
+    model, x = ResidualCNN().eval(), torch.randn(2, 3, 16, 16)
+    fast = autoopt.optimize(model, (x,), backend="hybrid", dynamic=True, pass_options={
+        "onednn_conv": {"measure": False}, **ONEDNN})
+    (choice,) = fast.report.backends
+    assert choice.chosen == "hybrid" and "onednn_conv2d ×2" in choice.regions, choice
+    for shape in ((3, 3, 16, 16), (5, 3, 16, 16)):
+        y = torch.randn(shape)
+        with torch.no_grad():
+            torch.testing.assert_close(fast(y), model(y))
+    assert len(fast.report.captures) == 1  # one graph served every size
+
+
 def test_lowering_a_graph_that_writes_statistics_writes_them_once() -> None:
     """A train-mode call (under inference_mode: no gradients) captures a graph that updates
     BatchNorm's statistics. The lowering's own run of the graph (to see the kernels'

@@ -101,6 +101,8 @@ def lower(gm: GraphModule, example: tuple[tuple[Any, ...], dict[str, Any]] | Non
     graph = copy_graph_module(gm)
     table = _opaque_to_op(graph)
     options = {"freezing": False, **inductor.config_of(settings, dynamic)}
+    if dynamic and example is not None:  # the layouts, which sizes the kernels compute
+        _observe_layouts(graph, table, *example, orders_only=True)
     if dynamic or example is None:
         return inductor.InductorGraph(_with_table(table, torch.compile(
             graph, backend="inductor", fullgraph=True, dynamic=dynamic, options=options)))
@@ -124,7 +126,7 @@ def _compile_static(graph: GraphModule, table: list[_Kernel],
         flat = fx_pytree.tree_flatten_spec(example, info.in_spec)
     else:
         flat = list(example[0])
-    _observe_layouts(graph, table, flat)
+    _observe_layouts(graph, table, flat, {})
     # Fake inputs with a shape environment, as Dynamo hands them over: without one Inductor
     # bypasses its on-disk cache ("No shape env") and compiles again in every process.
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
@@ -145,21 +147,24 @@ def _compile_static(graph: GraphModule, table: list[_Kernel],
     return inductor.InductorGraph(_with_table(table, call), loaded)
 
 
-def _observe_layouts(graph: GraphModule, table: list[_Kernel], flat: list[Any]) -> None:
+def _observe_layouts(graph: GraphModule, table: list[_Kernel], args: Any,
+                     kwargs: dict[str, Any], *, orders_only: bool = False) -> None:
     """Each kernel's result as it really is, from one run of the graph on (copies of) the
     example inputs: the graph's record can name another layout than the kernel returns
     (oneDNN's convolutions answer in channels-last), and the generated code asserts the
-    layout it was compiled for."""
-    inputs = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in flat]
+    layout it was compiled for. With ``orders_only`` (symbolic sizes) only the order of
+    each result's dimensions in memory is kept; the kernel computes the sizes."""
+    args, kwargs = pytree.tree_map_only(torch.Tensor, lambda x: x.detach().clone(),
+                                        (tuple(args), dict(kwargs)))
     _RUNNING.observed = {}
     try:
         # The run leaves no trace: a train-mode graph writes BatchNorm statistics (the
         # module's own buffers, which the graph shares), a dropout draws from the RNG.
         with torch.no_grad(), preserved(graph), _running(table):
-            graph(*inputs)
+            graph(*args, **kwargs)
         for index, result in _RUNNING.observed.items():
             target, arguments, _ = table[index]
-            table[index] = (target, arguments, result)
+            table[index] = (target, arguments, _Order.of(result) if orders_only else result)
     finally:
         del _RUNNING.observed
     for node in graph.graph.nodes:  # "what" names the result as observed (the cache's key)
@@ -230,7 +235,17 @@ def _template(gm: GraphModule, node: Node) -> tuple[list[Node], _Arguments]:
     return tensors, _Arguments(tuple(args), dict(kwargs))
 
 
-_Kernel = tuple[Callable[..., Any], "_Arguments", tuple[Any, ...] | None]
+_Kernel = tuple[Callable[..., Any], "_Arguments", "tuple[Any, ...] | _Order | None"]
+
+
+class _Order(tuple):
+    """A result's dimensions from outermost to innermost in memory, where its sizes are
+    symbolic (``torch.empty_permuted``'s physical layout)."""
+
+    @classmethod
+    def of(cls, result: tuple[Any, ...]) -> _Order:
+        shape, stride, _, _ = result
+        return cls(sorted(range(len(shape)), key=lambda d: (-stride[d], d)))
 
 
 class _Slot(int):
@@ -288,6 +303,9 @@ def _fake(tensors: list[torch.Tensor | None], index: int, what: str) -> Any:
     result = _RUNNING.table[index][2]
     if result is None:
         return _call(tensors, index, what)
+    if isinstance(result, _Order):
+        out = _call(tensors, index, what)
+        return torch.empty_permuted(out.shape, result, dtype=out.dtype, device=out.device)
     shape, stride, dtype, device = result
     return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
