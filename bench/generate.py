@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +50,7 @@ import transformers
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import child_process  # noqa: E402
 from cost_model_accuracy import heading, publish  # noqa: E402
 
 import autoopt  # noqa: E402
@@ -145,9 +144,6 @@ def compile_recipe(model: nn.Module) -> Callable[..., Any]:
     return compiled.generate
 
 
-CHILD_MARK = "AUTOOPT_COLD_SETUP "
-
-
 def set_up(label: str, model: nn.Module, ids: torch.Tensor,
            greedy: dict[str, Any]) -> tuple[Callable[..., Any], torch.Tensor, float]:
     """One runner made ready as the table's setup column counts it: compiled or optimized,
@@ -181,15 +177,8 @@ def cold_setup(name: str, batch: int, prompt: int, new: int, label: str, threads
         command = [sys.executable, str(Path(__file__).resolve()), "--child-setup", label,
                    "--models", name, "--batches", str(batch), "--prompt", str(prompt),
                    "--new", str(new), "--threads", str(threads), "--device", str(device)]
-        try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True,
-                                  timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return f"stopped after {timeout_s:.0f} s"
-    lines = [line for line in done.stdout.splitlines() if line.startswith(CHILD_MARK)]
-    if done.returncode != 0 or not lines:
-        return f"exit {done.returncode}: {(done.stderr.strip().splitlines() or ['-'])[-1]}"
-    return float(json.loads(lines[-1][len(CHILD_MARK):])["setup_s"])
+        result = child_process.run(command, env, timeout_s)
+    return result["error"] if "error" in result else float(result["setup_s"])
 
 
 def _child_setup(args: argparse.Namespace) -> int:
@@ -203,7 +192,7 @@ def _child_setup(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     synced(runner, device)(ids, **greedy)
     steady = time.perf_counter() - start
-    print(CHILD_MARK + json.dumps({"setup_s": seconds - steady}), flush=True)
+    child_process.report({"setup_s": seconds - steady})
     return 0
 
 

@@ -31,11 +31,9 @@ import argparse
 import copy
 import ctypes
 import gc
-import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,13 +51,13 @@ import autoopt
 
 transformers.logging.set_verbosity_error()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import child_process  # noqa: E402
 from cost_model_accuracy import first_tensor, publish  # noqa: E402
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 # Peers autoopt is measured against in the best-of column (autoopt's own ONNX file is not one).
 PEERS = ("torch.compile", "compile+freezing", "compile max-autotune", "onnxruntime")
 ORT_LABELS = ("onnxruntime", "autoopt→onnxruntime")
-CHILD_MARK = "AUTOOPT_CHILD_RESULT "
 
 
 def _image(factory: Callable[[], nn.Module]) -> Callable[[int], tuple[nn.Module, Inputs]]:
@@ -297,20 +295,11 @@ def optimize_times(name: str, batch: int, threads: int, device: str,
         for which in ("first", "second"):
             command = [sys.executable, str(Path(__file__).resolve()), "--child-optimize", name,
                        "--batches", str(batch), "--threads", str(threads), "--device", device]
-            try:
-                done = subprocess.run(command, env=env, capture_output=True, text=True,
-                                      timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                result[which] = {"error": f"stopped after {timeout_s:.0f} s"}
+            result[which] = child_process.run(command, env, timeout_s)
+            if "error" in result[which]:
+                print(f"  optimize in a fresh process ({which}) failed on {name}: "
+                      f"{result[which]['error']}", file=sys.stderr)
                 break
-            lines = [line for line in done.stdout.splitlines() if line.startswith(CHILD_MARK)]
-            if done.returncode != 0 or not lines:
-                tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-                result[which] = {"error": f"exit {done.returncode}: {tail}"}
-                print(f"  optimize in a fresh process ({which}) failed on {name}: {tail}",
-                      file=sys.stderr)
-                break
-            result[which] = json.loads(lines[-1][len(CHILD_MARK):])
     return result
 
 
@@ -593,7 +582,7 @@ def overhead_table(rows: list[dict[str, Any]]) -> str:
 def _child_main(args: argparse.Namespace) -> int:
     torch.set_num_threads(int(args.threads))
     result = optimize_once(args.child_optimize, int(args.batches), args.device)
-    print(CHILD_MARK + json.dumps(result), flush=True)
+    child_process.report(result)
     return 0
 
 
