@@ -101,6 +101,21 @@ class OptimizedModule(nn.Module):
 
     # --- public surface ----------------------------------------------------------------------
 
+    @property  # type: ignore[override]
+    def training(self) -> bool:
+        """The model's own train/eval flag: this module stands for it (``was = m.training;
+        m.eval(); ...; m.train(was)`` must put the model back as it was)."""
+        module = self.__dict__.get("_modules", {}).get("module")
+        return module.training if module is not None else self.__dict__.get("_training", True)
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        module = self.__dict__.get("_modules", {}).get("module")
+        if module is not None:
+            module.training = mode
+        else:  # nn.Module.__init__, before the model is attached
+            self.__dict__["_training"] = mode
+
     @property
     def config(self) -> OptimizeConfig:
         """The options it was optimized with."""

@@ -215,3 +215,28 @@ def test_a_training_optimize_copies_the_weights_at_once() -> None:
     model = _randomized(ConvBnMlp(), 0).train()
     fast = autoopt.optimize(model, (torch.randn(4, 3, 12, 12),))
     assert not any(_same_memory(fast.module, model))
+
+
+@pytest.mark.parametrize("mode", [False, True])
+def test_the_module_reports_the_models_train_flag_and_restores_it(mode: bool) -> None:
+    """An eval model's optimized module said ``training`` True (nn.Module's default), so the
+    common ``was = m.training; m.eval(); ...; m.train(was)`` put the model in train mode:
+    dropout and batch statistics on the next call."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5),
+                          nn.Linear(16, 4)).train(mode)
+    x = torch.randn(4, 8)
+    fast = autoopt.optimize(model, (x,), training=mode)
+    assert fast.training is mode and fast.module.training is mode
+    was = fast.training
+    fast.eval()
+    assert not fast.training and not fast.module.training
+    fast.train(was)
+    assert fast.module.training is mode and fast.module[2].training is mode
+    fast.module.train(not mode)  # either side of the pair says the same
+    assert fast.training is (not mode)
+    fast.training = mode  # the flag alone, as on any module
+    assert fast.module.training is mode and fast.module[2].training is (not mode)
+    fast.train(mode)
+    if not mode:
+        with torch.no_grad():
+            torch.testing.assert_close(fast(x), model(x))
