@@ -27,10 +27,12 @@ change) in one gather, a cache line per dict; only when a tag moved is the walk 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import sys
 import sysconfig
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -82,6 +84,16 @@ def _is_scalar(value: Any) -> bool:
         return True
     return isinstance(value, tuple) and len(value) <= 8 and all(
         isinstance(v, _SCALARS) for v in value)
+
+
+def _names(namespace: dict[str, Any]) -> frozenset[str]:
+    return frozenset(k for k in namespace if k not in _MODULE_INTERNALS)
+
+
+def _instance_function(value: Any) -> bool:
+    """A function stored on the instance (``m.forward = MethodType(f, m)``): compared by
+    identity, as the graph ran the one that was there."""
+    return isinstance(value, types.FunctionType | types.MethodType | functools.partial)
 
 
 class ModuleWatch:
@@ -221,12 +233,17 @@ class ModuleWatch:
                 namespaces.append(namespace)
                 getters.append(operator.itemgetter(*keys))
 
+        # Which names each namespace holds: one added after capture (a value the forward
+        # reads with ``getattr(self, name, default)``, a ``forward`` patched on the instance
+        # by a wrapper) is a change too.
+        names: list[tuple[dict[str, Any], frozenset[str]]] = []
         for m in self.module.modules():
             keys = []
+            names.append((m.__dict__, _names(m.__dict__)))
             for key, value in vars(m).items():
                 if key in _MODULE_INTERNALS or key.startswith("__"):
                     continue
-                if _is_scalar(value):
+                if _is_scalar(value) or _instance_function(value):
                     keys.append(key)
                 elif (hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type))
                       and not callable(value)):
@@ -234,11 +251,13 @@ class ModuleWatch:
                     holders.append((m.__dict__, key, value))
                     if id(value) not in seen:
                         seen.add(id(value))
+                        names.append((vars(value), _names(vars(value))))
                         watch(vars(value), [k for k, v in vars(value).items()
                                             if not k.startswith("__") and _is_scalar(v)])
             watch(m.__dict__, keys)
         self._getters = (namespaces, getters, list(map(_CALL, getters, namespaces)))
         self._holders = holders
+        self._names = names
         self._tag_reader = None
 
     def attributes_changed(self) -> bool:
@@ -246,6 +265,8 @@ class ModuleWatch:
         settings object replaced by another."""
         namespaces, getters, saved = self._getters
         if any(d.get(key) is not value for d, key, value in self._holders):
+            return True
+        if any(_names(d) != saved for d, saved in self._names):
             return True
         try:
             # One getter per namespace, all called by one ``map``; list and tuple equality

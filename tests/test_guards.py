@@ -189,6 +189,60 @@ def test_a_python_attribute_changed_after_capture_is_not_replayed() -> None:
     torch.testing.assert_close(fast(x), fast.module.l(x) * 3.0)
 
 
+class _Settings:
+    """A settings object the model reads (a transformers config)."""
+
+    def __init__(self) -> None:
+        self.hidden = 16
+
+
+class ReadsOptional(nn.Module):
+    """Reads settings that may be missing (``getattr(..., default)``) and calls a submodule
+    whose ``forward`` a wrapper may replace on the instance (accelerate's hooks, PEFT)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = _Settings()
+        self.l1, self.act, self.l2 = nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.l1(x)) / getattr(self, "temperature", 1.0)
+        return self.l2(h * getattr(self.config, "scale", 1.0))
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_attributes_added_and_forwards_patched_after_capture_are_not_replayed(
+        training: bool) -> None:
+    """The watch compared the values of the names there at capture; a name added later (read
+    with a default) or a ``forward`` set on the instance left the old graph running (off by
+    0.5-1.5 on this model, in eval and in training)."""
+    model = ReadsOptional().train(training)
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    fast = autoopt.optimize(model, (x,), training=training)
+
+    def same() -> None:
+        with torch.set_grad_enabled(training):
+            torch.testing.assert_close(fast(x), reference(x))
+
+    same()
+    for m in (fast.module, reference):
+        m.temperature = 4.0
+    same()
+    for m in (fast.module, reference):
+        m.config.scale = 10.0
+    same()
+    for m in (fast.module, reference):
+        m.act.forward = types.MethodType(lambda self, t: torch.relu(t) * 3.0, m.act)
+    same()
+    for m in (fast.module, reference):
+        m.forward = types.MethodType(lambda self, t: -self.l2(self.l1(t)), m)
+    same()
+    for m in (fast.module, reference):  # and back: the class's own forward again
+        del m.forward, m.act.forward, m.temperature
+    same()
+
+
 class WritesInput(nn.Module):
     def __init__(self) -> None:
         super().__init__()
