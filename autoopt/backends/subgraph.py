@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch.fx import GraphModule
 
 from ..config import OptimizeConfig
@@ -38,7 +39,10 @@ def lower_subgraph(optimized: GraphModule, example_inputs: Sequence[Any], inputs
     lowerings, skipped = [], {}
     for name in config.candidate_backends:
         if name == "aten":
-            lowerings.append(Lowering("aten", lambda: optimized, verified=True))
+            if gradients and _checkpointed(optimized):
+                lowerings.append(Lowering("aten", lambda: _aot_eager(optimized, example_inputs)))
+            else:
+                lowerings.append(Lowering("aten", lambda: optimized, verified=True))
         elif name == "inductor":
             why = inductor.available() or (
                 inductor.partial_gradients(optimized, inputs) if gradients else "")
@@ -80,3 +84,20 @@ def _inductor(optimized: GraphModule, example_inputs: Sequence[Any],
     # A copy: Inductor rewrites the graph module it is given.
     with inductor_config.patch(inductor.config_of(settings)):
         return compile_fx(copy_graph_module(portable(optimized)), list(example_inputs))
+
+
+def _checkpointed(gm: GraphModule) -> bool:
+    """Whether ``gm`` holds a region ``torch.utils.checkpoint`` recomputes in the backward."""
+    checkpoint = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    return checkpoint is not None and any(
+        n.op == "call_function" and n.target is checkpoint for n in gm.graph.nodes)
+
+
+def _aot_eager(optimized: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """The graph run through AOTAutograd with no compiler. Dynamo hands a checkpointed region
+    over with the random state's preservation off, leaving it to AOTAutograd: run as it is,
+    the backward's recompute drew new dropout masks (gradients off by the whole gradient's
+    scale, the forward exact)."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    return aot_eager(copy_graph_module(optimized), list(example_inputs))
