@@ -45,16 +45,20 @@ def replace_attention(gm: GraphModule, ctx: PassContext) -> PassResult:
 
     Args:
         gm: the graph module, rewritten in place.
-        ctx: unused; the fused kernel is exact up to float reassociation, and the driver's
-            verification checks it.
+        ctx: ``training``: the graph is differentiated (then the fused call is
+            ``attention_differentiable_twice``). The fused kernel is exact up to float
+            reassociation, and the driver's verification checks it.
     """
     count = 0
     for node in list(gm.graph.nodes):
         match = _match(node)
         if match is None or not _safe(match):
             continue
-        # The graph's own level: an export graph calls ATen overloads only.
-        sdpa = (aten.scaled_dot_product_attention.default
+        # The graph's own level: an export graph calls ATen overloads only. A graph that is
+        # differentiated may be differentiated twice (a gradient penalty), which the fused
+        # kernels' backward is not.
+        sdpa = (attention_differentiable_twice if ctx.training
+                else aten.scaled_dot_product_attention.default
                 if isinstance(node.target, torch._ops.OpOverload)
                 else F.scaled_dot_product_attention)
         with gm.graph.inserting_before(node):
@@ -71,6 +75,58 @@ def replace_attention(gm: GraphModule, ctx: PassContext) -> PassResult:
     if count:
         gm.recompile()
     return PassResult(gm, count > 0, {"attention": count} if count else {})
+
+
+def attention_differentiable_twice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   attn_mask: torch.Tensor | None = None,
+                                   dropout_p: float = 0.0, is_causal: bool = False,
+                                   scale: float | None = None) -> torch.Tensor:
+    """``scaled_dot_product_attention`` (no dropout, not causal) whose backward can itself be
+    differentiated (``create_graph=True``: gradient penalties, Hessian-vector products), as the
+    hand-written attention it replaces could: the fused kernels' backward has no derivative
+    (``derivative for aten::_scaled_dot_product_flash_attention_for_cpu_backward is not
+    implemented``). A plain backward is the fused kernel's own."""
+    assert dropout_p == 0.0 and not is_causal  # what the pass matches
+    tensors = (q, k, v, attn_mask)
+    if not torch.is_grad_enabled() or not any(
+            t is not None and t.requires_grad for t in tensors):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask, scale=scale)
+    return _TwiceDifferentiable.apply(q, k, v, attn_mask, scale)
+
+
+class _TwiceDifferentiable(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+        # The fused kernel run on detached leaves with its own autograd record, which a
+        # plain backward replays (no recompute); the inputs are kept for a backward that
+        # must be differentiable.
+        needs = ctx.needs_input_grad[:4]
+        with torch.enable_grad():
+            leaves = [t if t is None else t.detach().requires_grad_(n)
+                      for t, n in zip((q, k, v, mask), needs, strict=True)]
+            out = F.scaled_dot_product_attention(*leaves[:3], leaves[3], scale=scale)
+        ctx.leaves, ctx.out, ctx.scale = leaves, out, scale
+        ctx.save_for_backward(q, k, v, mask)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        needs = ctx.needs_input_grad[:4]
+        if torch.is_grad_enabled():  # create_graph=True: the attention written out, as before
+            q, k, v, mask = ctx.saved_tensors
+            scores = q @ k.transpose(-2, -1) * (
+                ctx.scale if ctx.scale is not None else q.shape[-1] ** -0.5)
+            out = torch.softmax(scores if mask is None else scores + mask, dim=-1) @ v
+            wrt = [t for t, n in zip((q, k, v, mask), needs, strict=True) if n]
+            grads = iter(torch.autograd.grad(out, wrt, grad, create_graph=True,
+                                             allow_unused=True))
+        else:
+            wrt = [t for t, n in zip(ctx.leaves, needs, strict=True) if n]
+            # Kept: a second backward over the same graph (retain_graph=True) reads it again.
+            grads = iter(torch.autograd.grad(ctx.out, wrt, grad, retain_graph=True,
+                                             allow_unused=True))
+        return (*(next(grads) if n else None for n in needs), None)
 
 
 def _match(out: Node) -> _Attention | None:

@@ -259,3 +259,38 @@ def test_optimize_falling_back_to_dynamo_reports_the_rewrite() -> None:
     assert fast.report.pass_counts.get("attention") == 1, str(fast.report)
     inputs = qkvm()
     torch.testing.assert_close(fast(*inputs), Before()(*inputs), rtol=1e-5, atol=1e-5)
+
+
+class _LearnedBiasAttention(nn.Module):
+    """Hand-written attention with a learned bias on the scores (T5's relative positions)."""
+
+    def __init__(self, bias: bool, d: int = 16, tokens: int = 5) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.bias = nn.Parameter(torch.randn(tokens, tokens)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        scores = q @ k.transpose(-1, -2) / 4.0
+        return torch.softmax(scores if self.bias is None else scores + self.bias, dim=-1) @ v
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "learned-bias"])
+def test_a_training_graph_with_fused_attention_can_be_differentiated_twice(bias: bool) -> None:
+    """A gradient penalty through the fused attention raised: the fused kernels' backward
+    has no derivative, where the hand-written attention it replaced had one."""
+    model = _LearnedBiasAttention(bias)
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 5, 16)
+    fast = autoopt.optimize(model, (x,), training=True)
+    (attention,) = [p for p in fast.report.captures[0].passes if p.name == "attention"]
+    assert attention.status == "applied"
+    for m in (reference, fast):
+        m(x).pow(2).sum().backward()  # a plain backward: the fused kernel's own
+        inputs = x.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(m(inputs).pow(2).sum(), inputs, create_graph=True)
+        grad.pow(2).sum().backward()
+        m(x).sum().backward(retain_graph=True)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(fast.module.get_parameter(name).grad, p.grad,
+                                   rtol=1e-4, atol=1e-5)
