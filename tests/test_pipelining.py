@@ -139,6 +139,27 @@ def test_a_pipeline_optimized_for_inference_refuses_gradients() -> None:
     assert trainable(x).requires_grad
 
 
+def test_a_pipeline_stands_for_the_models_mode_and_refuses_another() -> None:
+    """An eval model's pipeline said ``training`` True (nn.Module's default), and switching
+    its mode changed nothing: the stages' graphs bake the mode they were captured in, so a
+    training pipeline put in eval kept dropout and batch statistics, silently."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5),
+                          nn.Linear(16, 4))
+    x = torch.randn(4, 8)
+    for training in (False, True):
+        pipe = autoopt.optimize(model.train(training), (x,), devices=["cpu", "cpu"],
+                                microbatches=1, training=training)
+        assert pipe.training is training
+        was = pipe.training
+        pipe.train(not training)
+        mode = "train" if training else "eval"
+        refused = rf"captured in {mode} mode.*\.train\({training}\)"
+        with pytest.raises(autoopt.ConfigError, match=refused):
+            pipe(x)
+        pipe.train(was)
+        pipe(x)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_train_step_gives_eager_gradients(schedule: str) -> None:
     model, args, _ = gpt2()

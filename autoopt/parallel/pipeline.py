@@ -71,8 +71,12 @@ class Pipeline(nn.Module):
         # Set by ``optimize(..., training=False)``: stages captured for inference, with
         # weights folded into constants and kernels that have no backward.
         self.inference_only = False
+        # Set by ``optimize``: the train/eval mode the stages' graphs were captured in (they
+        # bake it: dropout, batch statistics). None: stages made by hand, mode not known.
+        self.captured_training: bool | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_mode()
         if self.inference_only and torch.is_grad_enabled():
             if any(isinstance(x, torch.Tensor) and x.requires_grad
                    for x in pytree.tree_leaves((args, kwargs))):
@@ -82,6 +86,16 @@ class Pipeline(nn.Module):
             with torch.no_grad():
                 return self._run(args, kwargs)
         return self._run(args, kwargs)
+
+    def _check_mode(self) -> None:
+        if self.captured_training is not None and self.training != self.captured_training:
+            raise ConfigError(
+                f"this pipeline's stages were captured in "
+                f"{'train' if self.captured_training else 'eval'} mode and run that way (the "
+                f"mode is part of their graphs: dropout, batch statistics), but it is now in "
+                f"{'train' if self.training else 'eval'} mode. Put it back with "
+                f".train({self.captured_training}), or optimize the model again in the mode "
+                f"you want (training={self.training}).")
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         micro = split_microbatches(self._flatten(args, kwargs), self.microbatches)
@@ -105,6 +119,7 @@ class Pipeline(nn.Module):
         """Forward and backward over microbatches in ``schedule`` order (``gpipe``, ``1f1b``);
         gradients accumulate in the stages' parameters. Returns the summed loss (divided by
         the microbatch count when ``scale_grads``, as for a mean-reduced loss)."""
+        self._check_mode()
         if schedule not in ("gpipe", "1f1b"):
             raise ConfigError(f"schedule must be 'gpipe' or '1f1b'; got {schedule!r}")
         if self.inference_only:

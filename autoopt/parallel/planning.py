@@ -176,6 +176,8 @@ def pipeline_module(optimized: OptimizedModule, args: tuple[Any, ...], kwargs: d
                        microbatches=config.microbatches, training=training)
     pipe = pipeline_from_graph(gm, plan, config.microbatches)
     pipe.inference_only = not training
+    pipe.train(training)  # it stands for the model: its flag is the mode its graphs run
+    pipe.captured_training = training
     pipe.report = optimized.report
     if config.verify:
         # Both runs start from the caller's inputs as given (a forward may write them in
