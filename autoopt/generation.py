@@ -40,7 +40,10 @@ from torch.utils import _pytree as pytree
 from .build import build
 from .capture import objects
 from .errors import ConfigError
+from .guards import training_flags
 from .module import OptimizedModule
+from .state import hook_keys
+from .watch import ModuleWatch
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +86,22 @@ class _Step(nn.Module):
         return out.logits if hasattr(out, "logits") else out[0]
 
 
+class _RunEagerly(Exception):  # noqa: N818 (a signal, not an error)
+    """Raised by the call's first step where autoopt's graphs cannot serve the call: nothing
+    has run yet, so ``Generator.generate`` runs the whole call eagerly instead."""
+
+
 class _Stepper:
     """The forward ``generate`` calls: autoopt's graph where the cache is allocated, the
-    model's own forward where not (the step that allocates it)."""
+    model's own forward where not (the step that allocates it); every step eagerly with
+    ``eager_only``."""
 
     def __init__(self, optimized: Any, eager_forward: Callable[..., Any],
-                 stats: GenerationStats) -> None:
+                 stats: GenerationStats, eager_only: bool = False) -> None:
         self._optimized = optimized
         self._eager = eager_forward
         self._stats = stats
+        self._eager_only = eager_only
         # generate reads the forward's signature to decide what to pass (position ids, which
         # logits to keep): it must see the model's own.
         self.__signature__ = inspect.signature(eager_forward)
@@ -111,8 +121,21 @@ class _Stepper:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from transformers.cache_utils import Cache
 
+        if self._eager_only:
+            self._stats.eager_steps += 1
+            return self._eager(*args, **kwargs)
+        first = not (self._stats.graph_steps or self._stats.eager_steps)
         found = [(k, v) for k, v in kwargs.items() if isinstance(v, Cache)]
-        if args or len(found) != 1:
+        # The graph returns the logits alone.
+        extra = [k for k in ("output_hidden_states", "output_attentions") if kwargs.get(k)]
+        if extra and first:
+            raise _RunEagerly(f"{'/'.join(extra)}=True: the step graphs return the logits "
+                              f"alone")
+        if found and first and _slides(found[0][1]):
+            raise _RunEagerly("a sliding-window cache layer fills its window in this call "
+                              "(it keeps its length in a Python int, which a graph would "
+                              "replay)")
+        if args or len(found) != 1 or extra:
             self._stats.eager_steps += 1
             return self._eager(*args, **kwargs)
         name, cache = found[0]
@@ -132,6 +155,7 @@ class _Stepper:
         inputs.setdefault("return_dict", True)
         step = self._optimized.step_for(spec, name, tensors, inputs, spec_key)
         logits = step(tensors, **inputs)
+        _count_tokens(cache, _tokens(inputs))
         self._stats.graph_steps += 1
         return _Output(logits=logits, cache=cache, past_key_values=cache)
 
@@ -153,6 +177,26 @@ def _caches(cache: Any) -> list[Any]:
         return [cache]
     return [getattr(cache, name) for name in ("self_attention_cache", "cross_attention_cache")
             if hasattr(getattr(cache, name, None), "layers")]
+
+
+def _slides(cache: Any) -> bool:
+    """Whether a sliding-window layer of the cache may fill its window: past that, its update
+    and the attention mask branch on its Python count of tokens (``cumulative_length_int``),
+    which a captured graph replays as it was at capture. A window as long as the whole
+    cache (``_is_croppable``) never fills, and those branches never change."""
+    return any(getattr(layer, "is_sliding", False) and not getattr(layer, "_is_croppable", False)
+               for c in _caches(cache) for layer in getattr(c, "layers", ()))
+
+
+def _count_tokens(cache: Any, tokens: int) -> None:
+    """Count a graph step's tokens on the cache's sliding-window layers, as their own update
+    does in Python (the graph updates the copies it unflattens): ``get_seq_length`` reads
+    that count, and generate slices the next step's inputs by it (it stayed at the prompt
+    step's 0, and the steps after it fed the wrong tokens)."""
+    own = getattr(cache, "self_attention_cache", cache)  # not an encoder's cross-attention
+    for layer in getattr(own, "layers", ()):
+        if isinstance(getattr(layer, "cumulative_length_int", None), int):
+            layer.cumulative_length_int += tokens
 
 
 def _allocated(cache: Any) -> bool:
@@ -205,6 +249,72 @@ def _max_positions(module: nn.Module) -> int | None:
     return None
 
 
+def _sliding_window(module: nn.Module) -> int | None:
+    value = getattr(getattr(module, "config", None), "sliding_window", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def _length_dependent_rope(module: nn.Module) -> str | None:
+    """The rope type of a rotary embedding whose frequencies depend on the sequence length at
+    run time, or None: transformers' ``dynamic_rope_update`` recomputes "dynamic" frequencies
+    in Python once the positions pass the original maximum (and keeps them, so eager's result
+    depends on earlier calls too), and switches "longrope" between its short and long factors
+    by length, writing the buffer in place."""
+    for m in module.modules():
+        kinds = getattr(m, "rope_type", None)
+        kinds = kinds.values() if isinstance(kinds, Mapping) else [kinds]
+        for kind in kinds:
+            if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope"):
+                return kind
+    return None
+
+
+def _option(module: nn.Module, kwargs: Mapping[str, Any], name: str) -> Any:
+    """A generation option as the call sets it: the keyword, else the call's
+    ``generation_config``, else the model's."""
+    if name in kwargs:
+        return kwargs[name]
+    for config in (kwargs.get("generation_config"), getattr(module, "generation_config", None)):
+        if config is not None and hasattr(config, name):
+            return getattr(config, name)
+    return None
+
+
+def _eager_reason(module: nn.Module, kwargs: Mapping[str, Any]) -> str | None:
+    """Why autoopt's graphs cannot serve this call (it runs eagerly, as ``model.generate``
+    does), or None."""
+    if _option(module, kwargs, "use_cache") is False:
+        return "use_cache=False: no cache to keep static, each step runs the whole sequence"
+    for name in ("output_hidden_states", "output_attentions"):
+        if _option(module, kwargs, name):
+            return f"{name}=True: the step graphs return the logits alone"
+    device = next((p.device.type for p in module.parameters()), "cpu")
+    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
+        return ("under torch.autocast: the step graphs and the cache's dtype are the "
+                "module's own")
+    rope = _length_dependent_rope(module)
+    if rope is not None:
+        return (f"rope_type {rope!r}: the rotary frequencies depend on the sequence length "
+                f"at run time (transformers' dynamic_rope_update), which a graph would replay "
+                f"as captured")
+    return None
+
+
+def _float_layout(module: nn.Module) -> frozenset[tuple[torch.dtype, torch.device]]:
+    return frozenset((t.dtype, t.device) for t in itertools.chain(module.parameters(),
+                                                                   module.buffers())
+                     if t.is_floating_point())
+
+
+class _StateWatch(ModuleWatch):
+    """What the step modules copied of ``fast.module`` besides its weights: Python
+    attributes, which tensors and submodules sit in its slots. Not the module's owner: the
+    ``OptimizedModule``'s own watch counts assignments to it."""
+
+    def _register(self) -> None:
+        self._registered = True
+
+
 def _beyond_positions(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
                       ) -> ConfigError | None:
     """The clear error for a call whose prompt and new tokens need more positions than the
@@ -229,8 +339,41 @@ class Generator:
         self._optimized = optimized
         self._steps: dict[Any, Any] = {}
         self._layout: list[tuple[Any, ...]] = []
+        self._layout_of: frozenset[Any] = frozenset()  # the module's dtypes and devices then
         self._weights: tuple[tuple[int, int], ...] = ()  # what the step graphs were built on
+        self._state: tuple[_StateWatch, Any] | None = None  # and the rest of the module
         self.stats = GenerationStats()
+
+    def _module_state(self) -> Any:
+        """What ``_StateWatch`` does not see: hooks (on submodules and global), which a
+        step's copy runs as they were when it was built, and train/eval flags."""
+        from torch.nn.modules import module as module_impl
+
+        module = self._optimized.module
+        global_hooks = tuple(tuple(getattr(module_impl, name, None) or ())
+                             for name in ("_global_forward_hooks", "_global_forward_pre_hooks"))
+        return (frozenset(hook_keys(module)), global_hooks,
+                training_flags(module.modules()))
+
+    def _drop_steps_on_other_state(self) -> None:
+        """Each step module runs a copy of ``fast.module`` taken when it was built: a Python
+        attribute set since (``attn.scaling = ...``; also one put back), a hook registered
+        or removed, a submodule replaced, a train/eval flag flipped is not seen there, and
+        those steps would replay the old model. (``fast(x)`` sees them: the module's own
+        watch drops its graphs.) They are dropped and built again from the module as it
+        is."""
+        module = self._optimized.module
+        if self._state is not None:
+            watch, other = self._state
+            if not (watch.attributes_changed() or watch.replaced()
+                    or other != self._module_state()):
+                return
+            if self._steps:
+                log.info("generate: the module's attributes, hooks, submodules or train/eval "
+                         "flags changed since the step graphs were built; building them "
+                         "again")
+            self._steps.clear()
+        self._state = (_StateWatch(module), self._module_state())
 
     def _drop_steps_on_other_weights(self) -> None:
         """Each step module is built on a copy of the module that reads its tensors' memory
@@ -256,6 +399,7 @@ class Generator:
         if _allocated(cache) and hasattr(cache, "layers"):
             self._layout = [(type(layer), layer.keys.shape, layer.values.shape,
                              layer.keys.dtype, layer.keys.device) for layer in cache.layers]
+            self._layout_of = _float_layout(self._optimized.module)
 
     def allocate(self, cache: Any, batch: int | None) -> None:
         """Allocate ``cache``'s tensors for ``batch`` sequences with the recorded layout (the
@@ -263,6 +407,11 @@ class Generator:
         cache shapes, and graphs)."""
         layers = getattr(cache, "layers", None)
         if not self._layout or not layers or len(layers) != len(self._layout) or batch is None:
+            return
+        if _float_layout(self._optimized.module) != self._layout_of:
+            # ``.to(float64)``, ``.half()``, another device since: the cache's dtype and
+            # device are what the model's first step gives them again.
+            self._layout = []
             return
         # The length is the layer's own (``max_cache_len``, which lazy_initialization reads):
         # a call whose cache is another length bucket allocates with the same layout.
@@ -302,11 +451,17 @@ class Generator:
         """transformers' static-cache constructor with the length rounded up to a bucket, so
         calls with other prompt lengths or ``max_new_tokens`` share one decode graph."""
         positions = _max_positions(self._optimized.module)
+        window = _sliding_window(self._optimized.module)
 
         def prepare_bucketed(*args: Any, **kwargs: Any) -> Any:
             length = kwargs.get("max_cache_len")
             if isinstance(length, int):
                 bucket = -(-length // _CACHE_BUCKET) * _CACHE_BUCKET
+                if window is not None and length <= window:
+                    # A call that fits the sliding window keeps a cache no longer than it,
+                    # whose window never fills: its steps can run through graphs (see
+                    # ``_slides``).
+                    bucket = min(bucket, window)
                 kwargs["max_cache_len"] = max(length, min(bucket, positions or bucket))
             return prepare(*args, **kwargs)
         return prepare_bucketed
@@ -329,33 +484,55 @@ class Generator:
             raise ConfigError(f"generate: {type(module).__name__} does not support a static "
                               f"KV cache in this transformers version, which autoopt's "
                               f"decoding graphs need; call model.generate instead.")
-        kwargs["cache_implementation"] = "static"
-        self._drop_steps_on_other_weights()
-        self.stats = GenerationStats()
         started = time.perf_counter()
+        reason = _eager_reason(module, kwargs)
+        if reason is None and kwargs.get("streamer") is not None and \
+                _sliding_window(module) is not None:
+            # Whether the window fills is known at the first step, after the streamer was
+            # given the prompt: running the call again would stream it twice.
+            reason = "a streamer with a sliding-window model"
+        result = None
+        self.stats = GenerationStats()
+        if reason is None:
+            self._drop_steps_on_other_weights()
+            self._drop_steps_on_other_state()
+            try:
+                result = self._run(module, args, {**kwargs, "cache_implementation": "static"})
+            except _RunEagerly as exc:  # raised before any step ran
+                reason = str(exc)
+        if reason is not None:
+            # The user's own arguments (their cache too): what model.generate runs.
+            self.stats = GenerationStats(note=f"the call ran eagerly: {reason}")
+            result = self._run(module, args, kwargs, eager_only=True)
+        self.stats.seconds = time.perf_counter() - started
+        if self.stats.eager_steps > 1 and not self.stats.graph_steps and reason is None:
+            self.stats.note = (f"every step ran eagerly: the model's cache "
+                               f"({self.stats.cache_type}) is not a static cache whose "
+                               f"layers autoopt can take apart")
+        if self.stats.note:
+            warning = f"generate: {self.stats.note}"
+            if warning not in self._optimized.report.warnings:
+                self._optimized.report.warnings.append(warning)
+                log.warning("%s", warning)
+        log.info("%s", self.stats)
+        return result
+
+    def _run(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+             eager_only: bool = False) -> Any:
         driver = copy.copy(module)  # shares submodules and weights; its own forward
-        driver.forward = _Stepper(self, module.forward, self.stats)
+        driver.forward = _Stepper(self, module.forward, self.stats, eager_only)
         prepare = getattr(driver, "_prepare_static_cache", None)
-        if callable(prepare):  # transformers 5; without it, each length has its own graph
+        if callable(prepare) and not eager_only:
+            # transformers 5; without it, each length has its own graph
             driver._prepare_static_cache = self._sized(prepare)
         with torch.no_grad():
             try:
-                result = driver.generate(*args, **kwargs)
+                return driver.generate(*args, **kwargs)
             except (IndexError, RuntimeError) as exc:
                 clear = _beyond_positions(module, args, kwargs)
                 if clear is None:
                     raise
                 raise clear from exc
-        self.stats.seconds = time.perf_counter() - started
-        if self.stats.eager_steps > 1 and not self.stats.graph_steps:
-            self.stats.note = (f"every step ran eagerly: the model's cache "
-                               f"({self.stats.cache_type}) is not a static cache whose "
-                               f"layers autoopt can take apart")
-            if self.stats.note not in self._optimized.report.warnings:
-                self._optimized.report.warnings.append(f"generate: {self.stats.note}")
-            log.warning("generate: %s", self.stats.note)
-        log.info("%s", self.stats)
-        return result
 
 
 class GenerativeModule(OptimizedModule):

@@ -12,6 +12,7 @@ import transformers
 from checks import assert_bit_identical, snapshot
 from model_zoo import llama_lm
 from torch import nn
+from torch.utils import _pytree as pytree
 
 import autoopt
 from autoopt.errors import ConfigError
@@ -265,3 +266,145 @@ def test_the_prompt_step_runs_on_the_decode_steps_packed_weights() -> None:
     assert packed[True] and packed[False]
     decode = {id(p) for p in packed[False]}
     assert all(id(p) in decode for p in packed[True])
+
+
+def _decoder(kind: str = "llama", **config: object) -> nn.Module:
+    """A small decoder whose random weights are large enough that its greedy tokens vary
+    (transformers' default initializer makes every step pick the same token)."""
+    torch.manual_seed(0)
+    options = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                   initializer_range=0.3, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    options.update(config)
+    classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+               "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM)}
+    config_class, model_class = classes[kind]
+    return model_class(config_class(**options)).eval()
+
+
+def _tokens_of(length: int, batch: int = 1) -> torch.Tensor:
+    return torch.randint(3, 101, (batch, length))
+
+
+def test_attributes_and_hooks_set_after_generating_are_generated_with() -> None:
+    """Each step graph runs a copy of ``fast.module`` taken when it was built: an attribute
+    set on ``fast.module`` after a generate (and one put back), or a hook registered, were
+    honoured by ``fast(x)`` but ``fast.generate`` replayed the old step graphs (other
+    tokens, silently). Those steps are built again from the module as it is."""
+    model = _decoder()
+    reference = copy.deepcopy(model)
+    before = snapshot(model)
+    fast = autoopt.optimize(model, (_tokens_of(8),))
+    ids = _tokens_of(8)
+    options = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    original = reference.generate(ids, **options)
+    for _ in range(2):  # the decode and the prompt graphs built
+        assert torch.equal(fast.generate(ids, **options), original)
+    for scaling in (0.05, reference.model.layers[0].self_attn.scaling):
+        for m in (fast.module, reference):
+            m.model.layers[0].self_attn.scaling = scaling
+        want = reference.generate(ids, **options)
+        assert torch.equal(fast.generate(ids, **options), want), scaling
+        assert fast._generator.stats.graph_steps == 6, scaling
+    for m in (fast.module, reference):
+        m.model.layers[0].self_attn.scaling = 0.05
+    changed = reference.generate(ids, **options)
+    assert not torch.equal(changed, original)  # the attribute changes the tokens
+    assert torch.equal(fast.generate(ids, **options), changed)
+    handles = [m.lm_head.register_forward_hook(lambda _m, _i, out: -out)
+               for m in (fast.module, reference)]
+    want = reference.generate(ids, **options)
+    assert not torch.equal(want, changed)
+    assert torch.equal(fast.generate(ids, **options), want)
+    for handle in handles:
+        handle.remove()
+    assert torch.equal(fast.generate(ids, **options), changed)
+    assert_bit_identical(model, before)
+
+
+def test_length_dependent_rotary_frequencies_run_eagerly() -> None:
+    """Dynamic NTK rope recomputes its frequencies in Python once the positions pass
+    ``max_position_embeddings``: a captured step replayed the short ones (other tokens past
+    position 32). Such a model's calls run eagerly, with a note."""
+    model = _decoder(max_position_embeddings=32,
+                     rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    fast = autoopt.optimize(model, (_tokens_of(20),))
+    options = dict(max_new_tokens=30, min_new_tokens=30, do_sample=False)
+    for length in (20, 6, 20):
+        ids = _tokens_of(length)
+        assert torch.equal(fast.generate(ids, **options), model.generate(ids, **options))
+        stats = fast._generator.stats
+        assert stats.graph_steps == 0 and "rope_type 'dynamic'" in stats.note
+    assert any("rope_type 'dynamic'" in w for w in fast.report.warnings)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+def test_a_sliding_window_cache_matches_eager_past_its_window(kind: str) -> None:
+    """A static sliding-window cache layer counts its tokens in a Python int, which a graph
+    replays as captured: once decoding passed the window the steps crashed (an index out of
+    bounds) or gave other tokens. A call that fills the window runs eagerly; one that fits
+    it keeps a cache as long as the window, which never slides, and runs through graphs."""
+    extra = {"head_dim": 16} if kind == "gemma2" else {"num_key_value_heads": 1}
+    model = _decoder(kind, sliding_window=8, **extra)
+    fast = autoopt.optimize(model, (_tokens_of(6),))
+    for length, new, graphs in ((6, 12, False), (12, 10, False), (3, 4, True), (3, 4, True),
+                                (6, 12, False), (4, 3, True)):
+        ids = _tokens_of(length)
+        options = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        assert torch.equal(fast.generate(ids, **options), model.generate(ids, **options)), \
+            (length, new)
+        stats = fast._generator.stats
+        assert bool(stats.graph_steps) == graphs, (length, new, stats)
+        assert graphs or "sliding-window" in stats.note
+
+
+def test_hidden_states_and_attentions_are_eager_s() -> None:
+    """The step graphs return the logits alone: ``output_hidden_states`` or
+    ``output_attentions`` raised a bare AttributeError. Such a call runs eagerly."""
+    model, ids = _gpt2(), _prompt()
+    fast = autoopt.optimize(model, (ids,))
+    fast.generate(ids, max_new_tokens=3, do_sample=False)  # graphs built
+    for name in ("output_hidden_states", "output_attentions"):
+        options = {"max_new_tokens": 3, "do_sample": False, "return_dict_in_generate": True,
+                   name: True}
+        got, want = fast.generate(ids, **options), model.generate(ids, **options)
+        assert torch.equal(got.sequences, want.sequences)
+        field = "hidden_states" if name == "output_hidden_states" else "attentions"
+        for a, b in zip(pytree.tree_leaves(getattr(got, field)),
+                        pytree.tree_leaves(getattr(want, field)), strict=True):
+            assert torch.equal(a, b)
+        assert fast._generator.stats.graph_steps == 0
+        assert name in fast._generator.stats.note
+
+
+def test_another_dtype_and_autocast_generate_as_eager_does() -> None:
+    """The cache's layout (dtype, device) was recorded by the first call and kept: after
+    ``fast.to(torch.float64)`` the next call allocated a float32 cache and raised. Under
+    ``torch.autocast`` the call raised too. The layout follows the module's dtype; an
+    autocast call runs eagerly (eager under the same autocast is the reference)."""
+    model, ids = _gpt2(), _prompt()
+    fast = autoopt.optimize(model, (ids,))
+    options = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert torch.equal(fast.generate(ids, **options), model.generate(ids, **options))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(fast.generate(ids, **options), model.generate(ids, **options))
+        assert "autocast" in fast._generator.stats.note
+    assert torch.equal(fast.generate(ids, **options), model.generate(ids, **options))
+    assert fast._generator.stats.eager_steps == 0
+    fast.to(torch.float64)
+    reference = copy.deepcopy(model).double()
+    for _ in range(2):
+        assert torch.equal(fast.generate(ids, **options), reference.generate(ids, **options))
+    assert fast._generator.stats.graph_steps == 4
+
+
+def test_use_cache_false_runs_eagerly_and_says_so() -> None:
+    """Without a cache there is nothing to keep static: each step runs eagerly, and the note
+    says that (it said the model's cache ``()`` was not a static cache)."""
+    model, ids = _gpt2(), _prompt()
+    fast = autoopt.optimize(model, (ids,))
+    options = dict(max_new_tokens=3, do_sample=False, use_cache=False)
+    assert torch.equal(fast.generate(ids, **options), model.generate(ids, **options))
+    assert "use_cache=False" in fast._generator.stats.note
+    assert not any("is not a static cache" in w for w in fast.report.warnings)
