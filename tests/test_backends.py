@@ -734,3 +734,27 @@ def test_a_saved_module_captures_again_and_trains_after_inference(backend: str) 
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
     for g, e in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-3, atol=1e-5)
+
+
+class _Lookup(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(50, 16), nn.Linear(16, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids).relu())
+
+
+@pytest.mark.skipif(bool(inductor.available()), reason="needs Inductor in this build")
+def test_an_error_in_inductors_code_reaches_the_caller_as_itself() -> None:
+    """A token id past the vocabulary, under Inductor with symbolic sizes, raised Dynamo's
+    'Attempt to trace generator' (the graph module's own error report, traced) instead of the
+    out-of-bounds index the generated code found."""
+    model = _Lookup().eval()
+    ids = torch.randint(0, 50, (2, 6))
+    fast = autoopt.optimize(model, (ids,), backend="inductor", dynamic=True)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(ids[:, :5]), model(ids[:, :5]))
+        with pytest.raises(Exception, match="index out of bounds") as raised:
+            fast(torch.full((2, 6), 60))
+    assert "generator" not in str(raised.value)

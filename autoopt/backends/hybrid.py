@@ -104,8 +104,9 @@ def lower(gm: GraphModule, example: tuple[tuple[Any, ...], dict[str, Any]] | Non
     if dynamic and example is not None:  # the layouts, which sizes the kernels compute
         _observe_layouts(graph, table, *example, orders_only=True)
     if dynamic or example is None:
-        return inductor.InductorGraph(_with_table(table, torch.compile(
-            graph, backend="inductor", fullgraph=True, dynamic=dynamic, options=options)))
+        return inductor.InductorGraph(_with_table(table, torch.compile(  # see inductor.lower
+            graph.forward, backend="inductor", fullgraph=True, dynamic=dynamic,
+            options=options)))
     return _compile_static(graph, table, example, options)
 
 

@@ -75,7 +75,10 @@ def lower(gm: GraphModule, *, dynamic: bool, gradients: bool,
     options = {"freezing": not gradients, "fallback_random": gradients,
                **config_of(settings, dynamic)}
     graph = copy_graph_module(gm)
-    return InductorGraph(torch.compile(graph, backend="inductor", fullgraph=True,
+    # Its forward, not the module: through the module's call wrapper, an error the generated
+    # code raised (a token id past the vocabulary) reached the user as Dynamo's "Attempt to
+    # trace generator" (the wrapper's error report, traced), not the error itself.
+    return InductorGraph(torch.compile(graph.forward, backend="inductor", fullgraph=True,
                                        dynamic=dynamic, options=options))
 
 
