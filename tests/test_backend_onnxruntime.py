@@ -248,3 +248,28 @@ def test_exported_and_cached_sessions_take_plain_ort_settings(
         assert options.execution_mode == onnxruntime.ExecutionMode.ORT_SEQUENTIAL
         assert options.enable_cpu_mem_arena and options.enable_mem_pattern
         assert graph.session.providers == ["CPUExecutionProvider"]
+
+
+class _Bag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(50, 16), nn.Linear(16, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids).relu()).sum(1)
+
+
+def test_a_negative_token_id_is_an_error_as_in_eager() -> None:
+    """ONNX's Gather counts a negative index from the table's end: a -1 padding id returned
+    the last row's embedding, where the model raises in eager."""
+    model = _Bag().eval()
+    ids = torch.randint(0, 50, (2, 6))
+    fast = autoopt.optimize(model, (ids,), backend="onnxruntime")
+    bad = ids.clone()
+    bad[0, 0] = -1
+    with torch.no_grad():
+        with pytest.raises(IndexError):
+            model(bad)
+        with pytest.raises(autoopt.InputError, match="'ids' indexes a table .* negative"):
+            fast(bad)
+        torch.testing.assert_close(fast(ids.flip(0)), model(ids.flip(0)))
