@@ -90,6 +90,8 @@ def test_file_spec_named_inputs_and_save_round_trip(tmp_path: Path,
      "--threads 0 is not a thread count"),
     (["run", "missing.onnx", "--input", "2x3", "--threads", "0"],
      "--threads 0 is not a thread count"),
+    (["optimize", "torch.nn:Identity", "--input", "2x3", "--save", "model.ONNX"],
+     "--save writes a torch.export program (.pt2), not ONNX"),
 ])
 def test_misuse_gives_a_clear_error(argv: list[str], message: str,
                                     capsys: pytest.CaptureFixture[str]) -> None:

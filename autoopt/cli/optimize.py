@@ -56,6 +56,11 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--memory-budget limits the activations saved for a training "
                               "step; add --train (inference saves none)")
         budget = parse_budget_option(args.memory_budget)
+    if args.save and args.save.lower().endswith(".onnx"):
+        # torch.save's archive under an .onnx name: ONNX Runtime cannot open what it writes.
+        raise ConfigError(f"--save writes a torch.export program (.pt2), not ONNX: "
+                          f"{args.save!r}. For an ONNX file run 'autoopt export' with the "
+                          f"same model, or name the file .pt2.")
     check_output(args.save, "--save")
     model, inputs, kwargs = load_workload(args, train=args.train)
     dims = set(args.dynamic)
