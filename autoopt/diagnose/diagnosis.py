@@ -419,7 +419,7 @@ def diagnose(model: nn.Module, data: Any, example_kwargs: Mapping[str, Any] | No
         raise ConfigError("diagnose warmup and profile_steps must be integers >= 0")
     progress = progress or (lambda it, desc: it)
     workload = Workload(model, data, example_kwargs, device, training, unpack, loss_fn,
-                        optimizer, step_options, keep_start=optimizer is not None)
+                        optimizer, step_options, keep_start=True)
     timings: list[tuple[float, float, float, float]] = []
     process_cpu = 0.0
     batches = workload.batches()

@@ -98,7 +98,7 @@ class Workload:
         self.optimizer: torch.optim.Optimizer | None = None
         # The model and optimizer as they were before any step (``keep_start``), for
         # ``Diagnosis.apply`` to optimize: the steps move the copy's parameters.
-        self.start: tuple[nn.Module, torch.optim.Optimizer] | None = None
+        self.start: tuple[nn.Module, torch.optim.Optimizer | None] | None = None
         if optimizer is not None:
             if not training:
                 raise ConfigError("diagnose optimizer= is for training=True: an inference "
@@ -109,9 +109,14 @@ class Workload:
                                   "diagnose it without optimizer=")
             overrides = optimizer_overrides(optimizer, model, self.options)
             self.optimizer = copy_optimizer(optimizer, model, self.model, **overrides)
-            if keep_start:
-                start = copy.deepcopy(self.model)
-                self.start = start, copy_optimizer(self.optimizer, self.model, start)
+        # Without an optimizer the steps still move the copy's buffers (BatchNorm statistics,
+        # counters): a module optimized from it after the steps started from other values
+        # than yours (BatchNorm's eval output off by 11%).
+        if keep_start and self.copied and (self.optimizer is not None or (
+                training and any(True for _ in self.model.buffers()))):
+            start = copy.deepcopy(self.model)
+            self.start = start, (copy_optimizer(self.optimizer, self.model, start)
+                                 if self.optimizer is not None else None)
         self.shapes: set[tuple[Any, ...]] = set()  # the input signatures the steps saw
         self.graph_misses = 0  # steps whose shapes the CUDA graph was not recorded for
         self._graphed: GraphedStep | None = None
