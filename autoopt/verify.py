@@ -287,7 +287,7 @@ def attribute_names(obj: Any) -> list[str]:
     return sorted(k for k in vars(obj) if not k.startswith("__"))
 
 
-def fresh_like(value: Any, generator: torch.Generator) -> Any:
+def fresh_like(value: Any, generator: torch.Generator, empty_row: bool = False) -> Any:
     """A random value of the same type, shape and dtype as ``value``, drawn to look like it.
 
     Floating tensors get the example's mean and spread (a float 0/1 mask stays a 0/1 mask,
@@ -295,12 +295,13 @@ def fresh_like(value: Any, generator: torch.Generator) -> Any:
     gets another 0/1 pattern with some zeros; other integer tensors (token ids, class
     indices) stay within the example's range so they index the same tables; booleans (masks)
     and non-tensor values are kept, since changing them can change what the model means.
-    Parameters are kept as they are.
+    Parameters are kept as they are. ``empty_row``: a 0/1 mask with a batch of two or more
+    gets its first row all zeros (an empty text padded into a batch).
     """
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(fresh_like(v, generator) for v in value)
+        return type(value)(fresh_like(v, generator, empty_row) for v in value)
     if isinstance(value, dict):
-        return type(value)((k, fresh_like(v, generator)) for k, v in value.items())
+        return type(value)((k, fresh_like(v, generator, empty_row)) for k, v in value.items())
     if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
         return value
     if value.numel() == 0 or value.dtype == torch.bool:
@@ -314,7 +315,7 @@ def fresh_like(value: Any, generator: torch.Generator) -> Any:
             # the model never sees. Draw another 0/1 pattern instead, with some zeros even
             # where the example had none, so that padded inputs are verified too.
             p = min(max(float(finite.mean()), 0.25), 0.75)
-            draw = torch.rand(value.shape, generator=generator, dtype=torch.float64) < p
+            draw = _mask_draw(value, p, generator, empty_row)
             return draw.to(dtype=value.dtype, device=value.device).requires_grad_(
                 value.requires_grad)
         mean = float(finite.mean())
@@ -334,7 +335,7 @@ def fresh_like(value: Any, generator: torch.Generator) -> Any:
         # attention gave other values than eager's) were never verified. Another 0/1
         # pattern, with some zeros, as for a float mask.
         p = min(max(float(value.double().mean()), 0.25), 0.75)
-        draw = torch.rand(value.shape, generator=generator, dtype=torch.float64) < p
+        draw = _mask_draw(value, p, generator, empty_row)
         return draw.to(dtype=value.dtype, device=value.device)
     # Within the example's observed [min, max], both ends included (randint's end is
     # exclusive): an index table the example fits, the fresh values fit too.
@@ -344,6 +345,17 @@ def fresh_like(value: Any, generator: torch.Generator) -> Any:
     else:  # high + 1 does not fit: leave out the one top value rather than overflow
         out = torch.randint(low, high, value.shape, generator=generator, dtype=torch.int64)
     return out.to(dtype=value.dtype, device=value.device)
+
+
+def _mask_draw(value: torch.Tensor, p: float, generator: torch.Generator,
+               empty_row: bool) -> torch.Tensor:
+    """A 0/1 pattern of ``value``'s shape with ones at rate ``p``; with ``empty_row``, row 0
+    of a batch of two or more is all zeros: every kernel of torch's attention gives such a
+    row zeros, and ONNX Runtime's translation of it did not (other values, unverified)."""
+    draw = torch.rand(value.shape, generator=generator, dtype=torch.float64) < p
+    if empty_row and value.dim() >= 2 and value.shape[0] >= 2:
+        draw[0] = False
+    return draw
 
 
 # Not 0: a user who seeded 0 to make the example inputs would get the same "fresh" ones.
@@ -383,17 +395,22 @@ def input_sets(args: tuple[Any, ...], kwargs: Mapping[str, Any], n_random: int,
                seed: int = VERIFY_SEED) -> InputSets:
     """The example inputs followed by ``n_random`` fresh sets of the same shapes and dtypes.
 
+    The first fresh set's 0/1 masks have a row with every position masked (see
+    ``fresh_like``); the others' and later draws' do not, so that a model whose eager output
+    for such a row is not finite is still verified on padded inputs.
+
     The result can draw further sets from the same generator: ``check_all`` replaces a fresh
     set on which eager raises (an index out of range) or gives non-finite values where the
     example did not; such a set says nothing about the optimized version."""
     generator = torch.Generator().manual_seed(seed)
     args, kwargs = tuple(args), dict(kwargs)
 
-    def draw() -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return (tuple(fresh_like(a, generator) for a in args),
-                {k: fresh_like(v, generator) for k, v in kwargs.items()})
+    def draw(empty_row: bool = False) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return (tuple(fresh_like(a, generator, empty_row) for a in args),
+                {k: fresh_like(v, generator, empty_row) for k, v in kwargs.items()})
 
-    return InputSets([(args, kwargs)] + [draw() for _ in range(n_random)], draw)
+    return InputSets([(args, kwargs)] + [draw(empty_row=i == 0) for i in range(n_random)],
+                     draw)
 
 
 class ReferenceFailed(Exception):

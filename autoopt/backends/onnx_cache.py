@@ -43,7 +43,7 @@ from ..cost_model import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-_FORMAT = 3  # 3: the key says which weights are zeros
+_FORMAT = 4  # 3: the key says which weights are zeros; 4: fully masked attention rows are zeros
 _ALIGN = 1 << 16  # where each weight starts in a written file (ORT maps each from there)
 _BLOCK = 1 << 24  # bytes of a written weight read back at a time
 # Dtypes whose tensors ONNX Runtime can take from numpy views of the module's memory.
@@ -171,6 +171,11 @@ def store(entry: str, path: Path, gm: GraphModule) -> str:
             # a literal), unless it was computed from a weight.
             if np.issubdtype(dtype, np.floating) and (math.prod(shape) > 1 or small_weights):
                 return f"the exporter computed initializer {init.name!r} from the weights"
+            if init.data_location == onnx.TensorProto.EXTERNAL:
+                # Its bytes are in the exporter's weights file, which is not kept (a later
+                # weights file of that name holds other tensors there): into the graph.
+                values = np.concatenate([part.reshape(-1) for _, part in blocks()])
+                init.CopyFrom(numpy_helper.from_array(values.reshape(shape), init.name))
             continue
         held = t.detach().cpu()
         held = held.t() if transpose else held

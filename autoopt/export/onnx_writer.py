@@ -25,6 +25,7 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from ..errors import ModelError
+from .onnx_attention import with_empty_rows_zeroed
 from .onnx_io import dims_of, flat_tensors
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ def write_onnx(gm: GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any], p
                dims: tuple[str, ...], opset: int | None, external: bool, exporter: str,
                ) -> tuple[str, str]:
     """Write ``path``; return (the exporter that succeeded, why dynamo was not used)."""
+    gm = with_empty_rows_zeroed(gm)
     reasons: list[str] = []
     if exporter in ("auto", "dynamo"):
         try:
