@@ -51,12 +51,11 @@ def prepare(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, 
         private.to(target)
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(target), (args, kwargs))
     _check_devices_and_dtypes(private, args, kwargs)
-    # precision=: reject what cannot work on this device; skip casts that would be slower.
+    # precision=: reject what cannot work on this device, or would be slower there.
     cfg = precision_lib.autocast_tolerance(cfg, private, args, kwargs, training)
-    cfg, precision_notes = precision_lib.check_target(cfg, model_device(private), training)
+    cfg = precision_lib.check_target(cfg, model_device(private), training)
     optimized = module_class(private, cfg, dynamic=dynamic, dynamic_shapes=dynamic_shapes,
                              shares_weights=share)
-    optimized.report.warnings.extend(precision_notes)
     if cfg.memory_budget is not None and not training:
         raise ConfigError("memory_budget limits the activations saved for a training step; "
                           "pass training=True (or a model in train mode), or drop "
@@ -85,11 +84,11 @@ def build(model: nn.Module, example_inputs: Any = (),
 
 def capture_example(optimized: OptimizedModule, args: tuple[Any, ...],
                     kwargs: dict[str, Any], training: bool) -> OptimizedModule:
-    """Capture the example call (in its grad mode) and add the precision notes."""
+    """Capture the example call (in its grad mode); raise where ``precision=`` applied to
+    no op."""
     with torch.no_grad() if not training else contextlib.nullcontext():
         optimized.specialize(args, kwargs)
-    optimized.report.warnings.extend(precision_lib.notes_after(optimized.config,
-                                                               optimized.report))
+    precision_lib.check_applied(optimized.config, optimized.report)
     return optimized
 
 

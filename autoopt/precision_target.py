@@ -1,5 +1,5 @@
 """Whether the ``precision=`` option can work on the target device and gains anything there,
-and what the report says when it did not apply.
+and the error when it did not apply to any op.
 
 The options are checked, and what they imply derived, by ``OptimizeConfig``; the casting
 itself is the ``precision`` pass (``passes/precision.py``).
@@ -27,9 +27,10 @@ log = logging.getLogger(__name__)
 
 
 def check_target(cfg: OptimizeConfig, device: torch.device | None, training: bool,
-                 ) -> tuple[OptimizeConfig, list[str]]:
-    """Reject precision settings that cannot work on ``device``; turn the pass off (with a
-    note for the report) where the low precision would be slower than fp32.
+                 ) -> OptimizeConfig:
+    """Reject precision settings that cannot work on ``device``, or that would make the
+    model slower than fp32 there: a module that runs fp32 beside a warning is not an answer
+    to ``precision=`` (the house rule: a requested feature applies or raises).
 
     ``pass_options={"precision": {"force": True}}`` casts even where it measures slower.
 
@@ -37,11 +38,11 @@ def check_target(cfg: OptimizeConfig, device: torch.device | None, training: boo
     mixed precision errs by (``DEFAULT_TRAINING_TOLERANCE``), not the inference default.
 
     Returns:
-        The config to use and the notes for the report.
+        The config to use.
     """
     precision = cfg.precision
     if precision in (None, "fp32") or "precision" in cfg.disable:
-        return cfg, []
+        return cfg
     device = device or torch.device("cpu")
     force = bool(cfg.pass_options.get("precision", {}).get("force", False))
     if precision == "int8":
@@ -52,7 +53,7 @@ def check_target(cfg: OptimizeConfig, device: torch.device | None, training: boo
         if device.type != "cpu":
             raise ConfigError(f"precision='int8' (dynamic quantization) runs on the CPU only; "
                               f"the model is on {device}. Use precision='fp16' or 'bf16' there.")
-        return cfg, []
+        return cfg
     dtype = LOW_DTYPES[precision]
     if training and cfg.tolerance is None:
         cfg = dataclasses.replace(cfg, tolerance=DEFAULT_TRAINING_TOLERANCE[precision])
@@ -60,20 +61,17 @@ def check_target(cfg: OptimizeConfig, device: torch.device | None, training: boo
         if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
             raise ConfigError(f"precision='bf16' but {torch.cuda.get_device_name(device)} has "
                               f"no bf16 support; use precision='fp16'.")
-        return cfg, []
+        return cfg
     fp32, low = matmul_flops(device, torch.float32), matmul_flops(device, dtype)
     if low > fp32 or force:
-        return cfg, []
+        return cfg
     speed = f"{low / 1e9:.0f} GFLOP/s in {precision} vs {fp32 / 1e9:.0f} in fp32 (measured)"
-    if precision == "fp16":
-        raise ConfigError(f"precision='fp16' on this CPU would be slower than fp32 ({speed}); "
-                          f"use precision='bf16' or 'int8' here, or pass "
-                          f"pass_options={{'precision': {{'force': True}}}} to cast anyway.")
-    note = (f"precision='{precision}' not applied: this CPU has no fast {precision} matmul "
-            f"({speed}); the model runs in fp32. pass_options={{'precision': {{'force': "
-            f"True}}}} casts anyway.")
-    log.warning("%s", note)
-    return dataclasses.replace(cfg, disable=(*cfg.disable, "precision")), [note]
+    other = "use precision='bf16' or 'int8' here, " if precision == "fp16" else \
+        "drop precision= (fp32 is the faster here), use precision='int8', "
+    raise ConfigError(f"precision='{precision}' on this CPU would be slower than fp32 "
+                      f"({speed}): it has no fast {precision} matmul. {other[0].upper()}"
+                      f"{other[1:]}or pass pass_options={{'precision': {{'force': True}}}} "
+                      f"to cast anyway.")
 
 
 def autocast_tolerance(cfg: OptimizeConfig, model: torch.nn.Module, args: tuple[Any, ...],
@@ -118,18 +116,17 @@ def autocast_tolerance(cfg: OptimizeConfig, model: torch.nn.Module, args: tuple[
     return dataclasses.replace(cfg, tolerance=2 * error)
 
 
-def notes_after(cfg: OptimizeConfig, report: Report) -> list[str]:
-    """A report note when ``precision=`` was asked for but no captured graph runs in it."""
+def check_applied(cfg: OptimizeConfig, report: Report) -> None:
+    """Raise where ``precision=`` was asked for but no captured graph runs in it: the
+    measurement or the tolerance decided against every op, or the capture cannot take it."""
     if cfg.precision in (None, "fp32") or "precision" in cfg.disable:
-        return []
+        return
     if any(c.precision is not None for c in report.captures):
-        return []
+        return
     why = {r.reason for c in report.captures for r in c.passes
            if r.name == "precision" and r.reason}
     methods = {c.method for c in report.captures}
     if methods - {"export"}:
-        # The capture, not a measurement, kept the model in fp32: a module that ignored the
-        # request is not an answer to it.
         attempts = "; ".join(f"{m}: {w}" for c in report.captures for m, w in c.attempts)
         raise ConfigError(f"precision='{cfg.precision}' cannot apply: the model was captured by "
                           f"{sorted(methods)}, and the precision pass works on torch.export "
@@ -142,7 +139,10 @@ def notes_after(cfg: OptimizeConfig, report: Report) -> list[str]:
         reason = (f"no compute-heavy op could run in {cfg.precision} within the tolerance "
                   f"{cfg.precision_tolerance:g} (inference), or no op, or not the whole "
                   f"training step with its casts, measured faster than fp32 (training)")
-    return [f"precision='{cfg.precision}' not applied: {reason}; the model runs in fp32"]
+    raise ConfigError(f"precision='{cfg.precision}' cannot apply to this model: {reason}. It "
+                      f"would run in fp32: drop precision= for that, pass a larger "
+                      f"tolerance= where the error decided, or pass_options={{'precision': "
+                      f"{{'force': True}}}} to cast where it measures slower.")
 
 
 def export_config(config: OptimizeConfig | Mapping[str, Any] | None, precision: str | None,

@@ -72,11 +72,15 @@ def bench_one(name: str, batch: int, rounds: int, device: str = "cpu",
         for choice in precisions or default_precisions:
             precision, _, tolerance = choice.partition("@")
             start = time.perf_counter()
-            fast = autoopt.optimize(model, args, kwargs, precision=precision,
-                                    tolerance=float(tolerance) if tolerance else None)
+            key = f"autoopt {precision}" + (f" (tolerance {tolerance})" if tolerance else "")
+            try:
+                fast = autoopt.optimize(model, args, kwargs, precision=precision,
+                                        tolerance=float(tolerance) if tolerance else None)
+            except autoopt.ConfigError as exc:  # cannot apply here: no row; stderr says why
+                print(f"{name}: {key}: {exc}", file=sys.stderr)
+                continue
             seconds = time.perf_counter() - start
             summary = fast.report.captures[0].precision
-            key = f"autoopt {precision}" + (f" (tolerance {tolerance})" if tolerance else "")
             runners[key] = lambda fast=fast: fast(*args, **kwargs)
             facts[key] = {
                 "optimize_s": seconds,

@@ -73,7 +73,8 @@ def test_bert_in_three_precisions_called_interleaved_never_captures_again() -> N
     call (~500 ms a call instead of ~2 ms)."""
     model, args, kwargs = model_zoo.bert()
     versions = _versions(model)
-    fasts = {"a": autoopt.optimize(model, args, kwargs, precision="bf16"),
+    fasts = {"a": autoopt.optimize(model, args, kwargs, precision="bf16",
+                                   pass_options={"precision": {"force": True}}),
              "b": autoopt.optimize(model, args, kwargs, **INT8),
              "c": autoopt.optimize(model, args, kwargs, dynamic=True)}
     tolerances = {"a": 2e-2, "b": 5e-2, "c": 1e-4}

@@ -605,9 +605,9 @@ def test_int8_against_fp32_from_memory_times_as_many_calls(
     assert result.graph_module.meta["precision"].low_ops == 2
 
 
-def test_int8_slower_everywhere_is_said_in_the_report(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Through optimize: the request is not silently dropped; the report's warning names the
-    measurement and the option that quantizes anyway."""
+def test_int8_slower_everywhere_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through optimize: the request is not dropped (it was, with a warning, the model in
+    fp32); the error names the measurement and the option that quantizes anyway."""
     from autoopt.cost_model import CostModel
 
     def int8_loses(self: Any, what: str, candidates: dict[str, Any], *args: Any,
@@ -622,13 +622,12 @@ def test_int8_slower_everywhere_is_said_in_the_report(monkeypatch: pytest.Monkey
         "int8|") else recorded(self, what, names))
     model = nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 32)).eval()
     x = torch.randn(4, 64)
-    fast = autoopt.optimize(model, (x,), precision="int8")
-    assert fast.report.captures[0].precision is None
-    (note,) = [w for w in fast.report.warnings if w.startswith("precision='int8' not applied")]
-    assert "int8 measured slower than fp32 on each of the 2 linear(s)" in note
-    assert "'force': True" in note
-    with torch.no_grad():
-        torch.testing.assert_close(fast(x), model(x))
+    with pytest.raises(ConfigError) as raised:
+        autoopt.optimize(model, (x,), precision="int8")
+    message = str(raised.value)
+    assert message.startswith("precision='int8' cannot apply to this model: int8 measured "
+                              "slower than fp32 on each of the 2 linear(s)"), message
+    assert "'force': True" in message
 
 
 # --- ONNX ------------------------------------------------------------------------------------
@@ -706,15 +705,18 @@ def test_fp16_on_a_cpu_where_it_is_slower_is_rejected(monkeypatch: pytest.Monkey
         autoopt.optimize(model, (x,), precision="fp16")
 
 
-def test_bf16_on_a_cpu_without_fast_bf16_is_skipped_with_a_note(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_on_a_cpu_without_fast_bf16_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It ran in fp32 with a warning: a module that ignores the request. It raises, as fp16
+    does, and ``force`` casts anyway."""
     speeds = {torch.float32: 100e9, torch.bfloat16: 30e9}
     monkeypatch.setattr(precision_settings, "matmul_flops", lambda device, dtype: speeds[dtype])
     model, x = Block().eval(), torch.randn(4, 16)
-    fast = autoopt.optimize(model, (x,), precision="bf16")
-    assert fast.report.captures[0].precision is None
-    assert any("no fast bf16 matmul" in w for w in fast.report.warnings)
-    torch.testing.assert_close(fast(x), model(x))
+    with pytest.raises(ConfigError, match=r"precision='bf16' on this CPU would be slower than "
+                                          r"fp32 \(30 GFLOP/s in bf16 vs 100 in fp32.*'force'"):
+        autoopt.optimize(model, (x,), precision="bf16")
+    fast = autoopt.optimize(model, (x,), precision="bf16",
+                            pass_options={"precision": {"force": True}})
+    assert fast.report.captures[0].precision is not None
 
 
 class _WritesItsPosition(nn.Module):

@@ -44,7 +44,8 @@ def test_optimized_modules_from_one_model_never_recapture_each_other() -> None:
     with torch.no_grad():
         expected = bert(ids).last_hidden_state
         fast = [autoopt.optimize(bert, (ids,), backends=("aten",)),
-                autoopt.optimize(bert, (ids,), precision="bf16", backends=("aten",)),
+                autoopt.optimize(bert, (ids,), precision="bf16", backends=("aten",),
+                                 pass_options={"precision": {"force": True}}),
                 autoopt.optimize(bert, (ids,), dynamic=True, backends=("aten",))]
         assert _versions(bert) == before  # optimize wrote none of the user's tensors
         with warnings.catch_warnings(record=True) as caught:
