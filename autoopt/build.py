@@ -20,7 +20,7 @@ from . import precision_target as precision_lib
 from .config import OptimizeConfig
 from .errors import ConfigError, DeviceError, InputError, ModelError
 from .module import OptimizedModule
-from .specialize import model_device
+from .specialize import EagerRaised, model_device
 
 
 def prepare(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, Any] | None,
@@ -87,7 +87,12 @@ def capture_example(optimized: OptimizedModule, args: tuple[Any, ...],
     """Capture the example call (in its grad mode); raise where ``precision=`` applied to
     no op."""
     with torch.no_grad() if not training else contextlib.nullcontext():
-        optimized.specialize(args, kwargs)
+        try:
+            optimized.specialize(args, kwargs)
+        except EagerRaised as exc:
+            raise ModelError(f"the model raised {type(exc.original).__name__} when run eagerly "
+                             f"on the example inputs: {exc.original}. Check the inputs' number, "
+                             f"shapes and dtypes against the model's forward.") from exc.original
     precision_lib.check_applied(optimized.config, optimized.report)
     return optimized
 

@@ -24,7 +24,7 @@ from .cost_model import CostModel
 from .guards import InputSignature, current_modes, needs_gradients, signature_of, training_flags
 from .report import Report
 from .runtime import cuda_graphs
-from .specialize import Capturer, Compiled, model_device
+from .specialize import Capturer, Compiled, EagerRaised, model_device
 from .state import has_hooks
 from .verify import clone_inputs
 from .watch import ModuleWatch
@@ -164,7 +164,10 @@ class OptimizedModule(nn.Module):
         spec = self._find(args, kwargs, training)
         if spec is None:
             with self._lock:  # another thread may have captured it meanwhile
-                spec = self._find(args, kwargs) or self.specialize(args, kwargs)
+                try:
+                    spec = self._find(args, kwargs) or self.specialize(args, kwargs)
+                except EagerRaised as exc:  # these inputs are at fault: eager's own error
+                    raise exc.original from None
         with GATE.calling():  # no capture runs in another thread meanwhile
             return spec.run(*args, **kwargs)
 

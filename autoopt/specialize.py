@@ -66,6 +66,19 @@ from .verify import (
 log = logging.getLogger(__name__)
 
 
+class EagerRaised(ModelError):
+    """The model itself raised, run eagerly on the inputs being captured (``original``).
+
+    For the example inputs ``autoopt.optimize`` says so; for a later call the module raises
+    ``original``, the error eager raises for that call (a ``RuntimeError`` for a shape
+    mismatch), not an autoopt error about the example."""
+
+    def __init__(self, original: Exception) -> None:
+        super().__init__(f"the model raised {type(original).__name__} when run eagerly on "
+                         f"these inputs: {original}")
+        self.original = original
+
+
 class _HookGuarded:
     """Dynamo's compiled module, traced with guards on the modules' hooks: by default Dynamo
     assumes no hook is registered or removed after it compiled (``torch._dynamo.config.
@@ -251,6 +264,7 @@ class Capturer:
         return obstacles
 
     def _probe_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # (EagerRaised: the example's capture says so; a later call raises eager's own error)
         """One eager call on a copy of the inputs, from the buffers' values as they are (they
         are put back after it, with the RNG: each probe call sees the same)."""
         with preserved(list(self.module.buffers())):
@@ -258,9 +272,7 @@ class Capturer:
             try:
                 return self.module(*probe_args, **probe_kwargs)
             except Exception as exc:
-                raise ModelError(f"the model raised {type(exc).__name__} when run eagerly on "
-                                 f"the example inputs: {exc}. Check the inputs' number, shapes "
-                                 f"and dtypes against the model's forward.") from exc
+                raise EagerRaised(exc) from exc
 
     def _first_call_only(self, args: tuple[Any, ...], kwargs: dict[str, Any], first: Any,
                          changed: list[StateKey], copies: dict[int, torch.Tensor],

@@ -41,6 +41,23 @@ def test_model_that_fails_on_the_example_inputs() -> None:
         autoopt.optimize(linear(), (torch.randn(3, 5),))
 
 
+@torch.no_grad()
+def test_a_later_call_the_model_rejects_raises_eager_s_own_error() -> None:
+    """A later call with inputs the model rejects (a wrong width, another dtype) raised a
+    ``ModelError`` (a ``TypeError``) about "the example inputs"; eager raises a
+    ``RuntimeError``, which code around the model catches. The module raises eager's."""
+    model = linear()
+    fast = autoopt.optimize(model, (torch.randn(3, 4),), backends=("aten",))
+    for bad in (torch.randn(3, 5), torch.randn(3, 4, dtype=torch.float64)):
+        with pytest.raises(RuntimeError) as eager:
+            model(bad)
+        with pytest.raises(RuntimeError) as optimized:
+            fast(bad)
+        assert type(optimized.value) is type(eager.value)
+        assert str(optimized.value) == str(eager.value)
+    torch.testing.assert_close(fast(torch.ones(3, 4)), model(torch.ones(3, 4)))
+
+
 def test_example_inputs_as_a_list_or_dict() -> None:
     with pytest.raises(InputError, match=r"tuple of positional arguments.*got list.*your_list"):
         autoopt.optimize(linear(), [torch.randn(3, 4)])
