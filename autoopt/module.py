@@ -386,7 +386,8 @@ class OptimizedModule(nn.Module):
                        for b in m._buffers.values() if b is not None}
             watched = [t for t in self._watch.tensors if id(t) not in written
                        and not (differentiable and t.requires_grad)]
-            with GATE.capturing(), torch.random.fork_rng(devices=sorted(devices)):
+            with GATE.capturing(), torch.random.fork_rng(devices=sorted(devices)), \
+                    _own_saved_tensors():
                 spec = self._capturer.capture(*clone_inputs(args, kwargs))
             if self._capturer.kept_state:
                 # The probe kept what the forward's first call writes (a cache, a flag), as
@@ -451,4 +452,15 @@ def _backend(spec: Compiled) -> str:
         return "eager"  # captured, but no pass changed the graph
     return "cuda_graph" if isinstance(spec.run, cuda_graphs.CudaGraphRunner) else "aten"
 
+
+def _own_saved_tensors() -> Any:
+    """Saved-tensor hooks of capture's own: what its runs (export, the probe, verification)
+    save for their backward bypasses the caller's hooks. Inside
+    ``torch.utils.checkpoint(fast, ...)`` the first call of a new signature captured under
+    checkpoint's hooks, which counted every tensor capture saved (147 against the graph's 21
+    in the recompute: a ``CheckpointError`` at backward)."""
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(unpack, unpack)
 

@@ -124,6 +124,49 @@ def test_inductor_is_not_used_where_a_parameter_reaches_only_some_outputs() -> N
     assert fast.specializations[0].backend == "inductor"
 
 
+class _Smooth(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(self.norm(x))
+        return x + self.down(h * torch.sigmoid(h) + torch.sin(h) * 0.1 + torch.tanh(h * h))
+
+
+def test_inductor_training_takes_a_second_backward_and_a_gradient_penalty() -> None:
+    """``loss.backward(retain_graph=True)`` then another backward (several losses, a GAN)
+    raised AOTAutograd's "compiled with non-empty donated buffers" once Inductor was chosen
+    for the training graph; a gradient penalty (``create_graph=True`` with respect to the
+    input, then backward) raised "does not currently support double backward". Eager runs
+    both: the first now runs too, and a call whose input requires grad is not lowered by
+    Inductor (the report says why)."""
+    torch.manual_seed(0)
+    model, x = _Smooth().train(), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    fast = autoopt.optimize(model, (x,), training=True, backends=("inductor", "aten"))
+    assert fast.specializations[0].backend == "inductor"
+
+    def twice(module: nn.Module) -> torch.Tensor:
+        loss = module(x).pow(2).mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return getattr(module, "module", module).up.weight.grad
+
+    def penalty(module: nn.Module) -> torch.Tensor:
+        xi = x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(module(xi).pow(2).sum(), xi, create_graph=True)
+        g.pow(2).sum().backward()
+        return getattr(module, "module", module).up.weight.grad
+
+    for step in (twice, penalty):
+        for p in (*fast.parameters(), *reference.parameters()):
+            p.grad = None
+        torch.testing.assert_close(step(fast), step(reference), rtol=1e-4, atol=1e-6)
+    choice = fast.report.backends[-1]
+    assert choice.chosen == "aten" and "input requires grad" in choice.skipped["inductor"]
+
+
 def test_inductor_trains_with_dropout_drawing_eagers_masks() -> None:
     """A training graph with dropout: Inductor draws the masks with ATen's random ops
     (``fallback_random``), so its step is eager's on the same RNG and verification keeps it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -240,3 +241,28 @@ def test_the_module_reports_the_models_train_flag_and_restores_it(mode: bool) ->
     if not mode:
         with torch.no_grad():
             torch.testing.assert_close(fast(x), model(x))
+
+
+def test_a_first_call_inside_checkpoint_captures_and_recomputes_as_eager() -> None:
+    """``torch.utils.checkpoint(fast, h)`` (non-reentrant) as the first call of a new
+    signature (``h`` requires grad, the example did not): the capture ran under checkpoint's
+    saved-tensor hooks, which counted every tensor it saved, and backward raised
+    ``CheckpointError`` (147 saved against the recompute's 21); the capture also failed and
+    left that signature eager. Capture now saves its own tensors."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 8)).train()
+    reference = copy.deepcopy(model)
+    fast = autoopt.optimize(model, (torch.randn(4, 8),), training=True)
+    pre, base = nn.Linear(8, 8), torch.randn(4, 8)
+    grads = []
+    for module in (reference, fast):
+        pre.zero_grad()
+        checkpoint(module, pre(base), use_reentrant=False).pow(2).sum().backward()
+        grads.append((pre.weight.grad.clone(), module[0].weight.grad if module is reference
+                      else fast.module[0].weight.grad))
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert [c.method for c in fast.report.captures] == ["export", "export"]
+

@@ -11,6 +11,7 @@ through AOTAutograd, which partitions the joint forward/backward graph and compi
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
 import weakref
 from collections.abc import Callable, Sequence
@@ -22,6 +23,8 @@ from torch.utils import _pytree as pytree
 
 from ..driver import copy_graph_module
 from ..passes.graph import attr, meta_val
+
+log = logging.getLogger(__name__)
 
 
 class InductorGraph:
@@ -46,6 +49,20 @@ class InductorGraph:
             return self._compiled(*args, **kwargs)
         finally:  # compiled now (or a recompile for new sizes): what it loaded is ours
             self._loaded.extend(PyCodeCache.modules[before:])
+
+
+def keep_backward_buffers() -> None:
+    """Turn off AOTAutograd's donated buffers, for the process: a backward compiled with them
+    (freed as it runs) refuses ``retain_graph=True``, so a second backward through the same
+    step (several losses, a GAN's discriminator) raised where eager runs it. The flag is read
+    again at each backward, not only when a graph is compiled, so it cannot be set for
+    autoopt's graphs alone; it costs a compiled backward some peak memory."""
+    import torch._functorch.config
+
+    if torch._functorch.config.donated_buffer:
+        log.info("inductor: AOTAutograd's donated buffers turned off, so that a compiled "
+                 "backward takes retain_graph=True as eager does")
+        torch._functorch.config.donated_buffer = False
 
 
 def _forget(modules: list[Any]) -> None:
@@ -74,6 +91,8 @@ def lower(gm: GraphModule, *, dynamic: bool, gradients: bool,
     # same RNG, so a training step verifies against eager (Inductor's own masks differ).
     options = {"freezing": not gradients, "fallback_random": gradients,
                **config_of(settings, dynamic)}
+    if gradients:
+        keep_backward_buffers()
     graph = copy_graph_module(gm)
     # Its forward, not the module: through the module's call wrapper, an error the generated
     # code raised (a token id past the vocabulary) reached the user as Dynamo's "Attempt to
@@ -128,6 +147,20 @@ def partial_gradients(gm: GraphModule, inputs: Sequence[Any] | None = None) -> s
             f"reach only some of the graph's {len(differentiable)} differentiable outputs: a "
             f"compiled backward would give them zeros where eager gives None (a loss on the "
             f"other outputs)")
+
+
+def input_gradients(args: Sequence[Any], kwargs: dict[str, Any]) -> str:
+    """Why a compiled backward cannot serve a call whose inputs require grad, or ''.
+
+    Such a call's gradient is often differentiated again: a gradient penalty or a
+    physics-informed loss takes ``autograd.grad(out, x, create_graph=True)`` and backpropagates
+    through it. AOTAutograd's compiled backward is not differentiable ("does not currently
+    support double backward"), where eager's (and the aten graph's) is."""
+    if any(isinstance(t, torch.Tensor) and t.requires_grad
+           for t in pytree.tree_leaves((tuple(args), kwargs))):
+        return ("an input requires grad: its gradient may be differentiated again (a gradient "
+                "penalty, create_graph=True), which AOTAutograd's compiled backward cannot do")
+    return ""
 
 
 # Calls whose floating-point result carries no gradient back to their inputs.

@@ -37,6 +37,8 @@ def lower_subgraph(optimized: GraphModule, example_inputs: Sequence[Any], inputs
         gradients: a gradient can flow through it.
     """
     lowerings, skipped = [], {}
+    if gradients:
+        inductor.keep_backward_buffers()  # for inductor, and aot_eager (checkpointed regions)
     for name in config.candidate_backends:
         if name == "aten":
             if gradients and _checkpointed(optimized):

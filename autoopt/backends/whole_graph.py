@@ -83,7 +83,7 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
                 "and Inductor would plan saved activations its own way" if memory_plan else
                 inductor.partial_gradients(source, [] if adapt is not None else
                                            flat_example_inputs(source, args, kwargs))
-                if gradients else "")
+                or inductor.input_gradients(args, kwargs) if gradients else "")
             if why:
                 skipped[name] = why
             else:
