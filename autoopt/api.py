@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import progress
 from .build import capture_example, check_inputs, prepare, unwrap
 from .config import OptimizeConfig
 from .diagnose.collect import collect
@@ -56,15 +57,17 @@ def optimize(model: nn.Module, example_inputs: Any = (), example_kwargs: Mapping
         >>> print(fast.report)
     """
     cfg = OptimizeConfig.build(config, options)
-    optimized, args, kwargs, training = prepare(model, example_inputs, example_kwargs, cfg,
-                                                device=device, dynamic=dynamic,
-                                                dynamic_shapes=dynamic_shapes,
-                                                training=training,
-                                                module_class=module_class(unwrap(model)))
-    if cfg.devices is not None:  # a pipeline of one stage per device (autoopt.parallel)
-        return pipeline_module(optimized, args, kwargs, training)  # type: ignore[return-value]
-    capture_example(optimized, args, kwargs, training)
-    if cfg.report is not None:  # report=: diagnose and time both modules, write the HTML
-        write_report(cfg.report, collect(unwrap(model), args, kwargs, optimized=optimized,
-                                         training=training))
+    with progress.reported("optimize"):
+        optimized, args, kwargs, training = prepare(model, example_inputs, example_kwargs, cfg,
+                                                    device=device, dynamic=dynamic,
+                                                    dynamic_shapes=dynamic_shapes,
+                                                    training=training,
+                                                    module_class=module_class(unwrap(model)))
+        if cfg.devices is not None:  # a pipeline of one stage per device (autoopt.parallel)
+            return pipeline_module(optimized, args, kwargs,  # type: ignore[return-value]
+                                   training)
+        capture_example(optimized, args, kwargs, training)
+        if cfg.report is not None:  # report=: diagnose and time both modules, write the HTML
+            write_report(cfg.report, collect(unwrap(model), args, kwargs,
+                                             optimized=optimized, training=training))
     return optimized

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from . import progress
 from .build import build
 from .capture import objects
 from .errors import ConfigError
@@ -547,7 +548,8 @@ class GenerativeModule(OptimizedModule):
         if generator is None:
             generator = Generator(self)
             self.__dict__["_generator"] = generator
-        return generator.generate(*args, **kwargs)
+        with progress.reported("generate"):  # a first call captures its step graphs
+            return generator.generate(*args, **kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

@@ -54,6 +54,9 @@ def _aten_backend_by_default() -> Iterator[None]:
     mp = pytest.MonkeyPatch()
     if "AUTOOPT_BACKENDS" not in os.environ:
         mp.setenv("AUTOOPT_BACKENDS", "aten")
+    # Progress lines take autoopt's log records for a long call, which tests read through
+    # caplog; tests/test_progress.py turns them on.
+    mp.setenv("AUTOOPT_PROGRESS", "0")
     yield
     mp.undo()
 

@@ -102,6 +102,8 @@ def materialize(entry: str, gm: GraphModule, path: Path) -> bool:
     import onnx
 
     base = folder() / entry
+    if not base.with_suffix(".json").exists():
+        return False  # no entry: the usual case, an export
     try:
         emptied = json.loads(base.with_suffix(".json").read_text())["initializers"]
         proto = onnx.ModelProto.FromString(base.with_suffix(".onnx").read_bytes())

@@ -38,6 +38,7 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from .. import precision_target as precision_lib
+from .. import progress
 from ..capture import objects
 from ..driver import portable
 from ..errors import AutoOptError, ConfigError, ModelError, ModelSpecError, require
@@ -167,6 +168,7 @@ class OnnxVerificationError(AutoOptError, RuntimeError):
         self.report = report
 
 
+@progress.reporting("export_onnx")
 def export_onnx(model_or_optimized: nn.Module, example_inputs: Any, path: str | Path, *,
                 example_kwargs: Mapping[str, Any] | None = None,
                 dynamic: str | Sequence[str] = (), opset: int | None = None,

@@ -1,0 +1,78 @@
+"""Progress of long library calls on stderr, where logging shows nothing (autoopt.progress)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import autoopt
+from autoopt import progress
+
+
+class _Slow(nn.Module):
+    """A forward that takes a while: each of optimize's eager runs sleeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.05)
+        return self.linear(x)
+
+
+@pytest.fixture
+def quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lines after a tenth of a second instead of seconds; progress on (the suite turns it
+    off, see conftest)."""
+    monkeypatch.setenv("AUTOOPT_PROGRESS", "1")
+    monkeypatch.setattr(progress, "FIRST_S", 0.1)
+    monkeypatch.setattr(progress, "EVERY_S", 0.2)
+
+
+def _optimize() -> Any:
+    with torch.no_grad():
+        return autoopt.optimize(_Slow().eval(), (torch.randn(2, 4),), backends=("aten",))
+
+
+def test_a_long_optimize_says_what_it_does_and_puts_logging_back(
+        quick: None, capfd: pytest.CaptureFixture[str]) -> None:
+    library = logging.getLogger("autoopt")
+    before = (library.level, library.propagate, list(library.handlers))
+    _optimize()
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("autoopt optimize: ")]
+    assert len(lines) >= 2 and lines[-1].startswith("autoopt optimize: done in "), err
+    assert any(" s: " in line for line in lines[:-1]), lines
+    assert (library.level, library.propagate, list(library.handlers)) == before
+
+
+def test_nothing_is_shown_where_logging_shows_autoopt_or_it_is_turned_off(
+        quick: None, capfd: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    handler = logging.NullHandler()
+    library = logging.getLogger("autoopt")
+    library.addHandler(handler)  # the user's own (the command line adds one too)
+    try:
+        _optimize()
+    finally:
+        library.removeHandler(handler)
+    monkeypatch.setenv("AUTOOPT_PROGRESS", "0")
+    _optimize()
+    assert "autoopt optimize:" not in capfd.readouterr().err
+
+
+def test_warnings_reach_the_handlers_they_reached_before(
+        quick: None, caplog: pytest.LogCaptureFixture) -> None:
+    """The call takes autoopt's records for its line; a warning logged meanwhile still
+    reaches the root's handlers (here pytest's)."""
+    with caplog.at_level(logging.WARNING), progress.reported("optimize"):
+        logging.getLogger("autoopt.test").warning("a warning during the call")
+        logging.getLogger("autoopt.test").info("not a warning")
+    assert [r.getMessage() for r in caplog.records if r.name == "autoopt.test"] == [
+        "a warning during the call"]
