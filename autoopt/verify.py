@@ -5,9 +5,11 @@ inputs and on fresh random inputs of the same shapes and dtypes, within each dty
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import logging
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +18,8 @@ from torch.utils import _pytree as pytree
 
 from . import memory_profile
 from .errors import wrapped_error
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -515,14 +519,52 @@ def clone_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any],
                  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A private copy of every input tensor (parameters excepted), each a leaf that requires
     grad where the original did: a forward may write its inputs, and no run of autoopt's may
-    write the user's."""
-    def copy(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor) or isinstance(x, torch.nn.Parameter):
+    write the user's. An object pytree does not know that holds tensors (transformers'
+    ``DynamicCache``, a user's state object) is copied whole, its tensors so: the capture's
+    runs grew the user's cache (a decode step's logits 0.59 off) and left an fx ``Proxy`` in a
+    state object's attribute."""
+    def copy_tensor(x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, torch.nn.Parameter):
             return x
         clone = x.detach().clone()
         return clone.requires_grad_() if x.requires_grad and clone.is_floating_point() else clone
 
-    return pytree.tree_map(copy, (tuple(args), dict(kwargs)))
+    def copy_leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return copy_tensor(x)
+        tensors = _tensors_inside(x)
+        if not tensors:
+            return x
+        memo: dict[int, Any] = {id(t): copy_tensor(t) for t in tensors}
+        try:
+            return copy.deepcopy(x, memo)
+        except Exception as exc:  # noqa: BLE001 - an object that cannot be copied is shared
+            log.info("an input of type %s cannot be copied (%s): autoopt's runs see the "
+                     "object itself", type(x).__name__, exc)
+            return x
+
+    return pytree.tree_map(copy_leaf, (tuple(args), dict(kwargs)))
+
+
+def _tensors_inside(obj: Any, depth: int = 0) -> list[torch.Tensor]:
+    """The tensors an object that is not a tensor holds in its attributes, lists, tuples and
+    dicts (a few levels deep)."""
+    if depth > 6 or obj is None or isinstance(obj, (bool, int, float, complex, str, bytes,
+                                                    torch.dtype, torch.device, type)):
+        return []
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        children: Iterable[Any] = obj
+    elif isinstance(obj, dict):
+        children = obj.values()
+    elif isinstance(obj, torch.nn.Module) or callable(obj) and not hasattr(obj, "__dict__"):
+        return []
+    elif hasattr(obj, "__dict__") or dataclasses.is_dataclass(obj):
+        children = [getattr(obj, name, None) for name in attribute_names(obj)]
+    else:
+        return []
+    return [t for child in children for t in _tensors_inside(child, depth + 1)]
 
 
 GRAD_PREFIX = "grad of "  # how gradients are named among a run's compared leaves
