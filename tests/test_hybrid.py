@@ -229,6 +229,23 @@ def test_convolutions_answering_in_channels_last_keep_their_layout() -> None:
     assert_same_function(model, fast, (x,), {})
 
 
+@torch.no_grad()
+def test_inputs_laid_out_unlike_the_example_run_the_aten_graph() -> None:
+    """The static graph's generated code asserts each input's strides, which the call's
+    signature does not name: a channels-last image, a transposed, sliced or expanded input of
+    the example's shape raised Inductor's "expected size 3==3, stride 1==256"."""
+    model, x = ResidualCNN().eval(), torch.randn(2, 3, 16, 16)
+    fast = autoopt.optimize(model, (x,), backend="hybrid", pass_options={
+        "onednn_conv": {"measure": False}, **ONEDNN})
+    for other in (torch.randn(2, 3, 16, 16).to(memory_format=torch.channels_last),
+                  torch.randn(2, 3, 16, 16).transpose(2, 3),
+                  torch.randn(4, 3, 16, 16)[::2],
+                  torch.randn(1, 3, 16, 16).expand(2, 3, 16, 16)):
+        torch.testing.assert_close(fast(other), model(other), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)
+    assert len(fast.specializations) == 1 and fast.specializations[0].backend == "hybrid"
+
+
 def test_convolutions_in_a_graph_with_symbolic_sizes_keep_their_layout() -> None:
     """With ``dynamic=True`` the op's shape function ran the convolution on fake tensors,
     which answer contiguous; the generated code asserted that against oneDNN's channels-last

@@ -29,6 +29,7 @@ kernels are inference lowerings anyway).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +47,7 @@ from . import inductor
 # The kernel table of the graph this thread is running (or compiling): the op's ``index``
 # points into it. Each entry: the kernel, its arguments with each tensor an index into the
 # op's tensor list, what it returns where the graph's sizes are static.
+log = logging.getLogger(__name__)
 _RUNNING = threading.local()
 _DEFINE = threading.Lock()
 _OP: Any = None
@@ -107,12 +109,16 @@ def lower(gm: GraphModule, example: tuple[tuple[Any, ...], dict[str, Any]] | Non
         return inductor.InductorGraph(_with_table(table, torch.compile(  # see inductor.lower
             graph.forward, backend="inductor", fullgraph=True, dynamic=dynamic,
             options=options)))
-    return _compile_static(graph, table, example, options)
+    return _compile_static(graph, table, example, options, gm)
 
 
 def _compile_static(graph: GraphModule, table: list[_Kernel],
                     example: tuple[tuple[Any, ...], dict[str, Any]],
-                    options: dict[str, Any]) -> inductor.InductorGraph:
+                    options: dict[str, Any], aten: GraphModule) -> inductor.InductorGraph:
+    """Compiled for the example's sizes and layouts. The generated code asserts each input's
+    strides, and a call's signature does not name them: an input laid out otherwise (a
+    channels-last image, a transposed or sliced tensor, ids cut from a longer batch) raised
+    Inductor's assertion. Such a call runs ``aten``, the graph the kernels came from."""
     from torch._guards import TracingContext, tracing
     from torch._inductor import config as inductor_config
     from torch._inductor.codecache import PyCodeCache
@@ -138,14 +144,44 @@ def _compile_static(graph: GraphModule, table: list[_Kernel],
             _running(table):
         inner = compile_fx(graph, fakes)
     loaded = PyCodeCache.modules[before:]
+    layouts = _Layouts(flat)
     if info is None:
-        return inductor.InductorGraph(_with_table(table, inner), loaded)
+        def flat_call(*args: Any) -> Any:
+            return inner(*args) if layouts.match(args) else layouts.other(aten, args, {})
+        return inductor.InductorGraph(_with_table(table, flat_call), loaded)
     in_spec, out_spec = info.in_spec, info.out_spec
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        outputs = inner(*fx_pytree.tree_flatten_spec((args, kwargs), in_spec))
+        flat_args = fx_pytree.tree_flatten_spec((args, kwargs), in_spec)
+        if not layouts.match(flat_args):
+            return layouts.other(aten, args, kwargs)
+        outputs = inner(*flat_args)
         return pytree.tree_unflatten(outputs, out_spec) if out_spec is not None else outputs
     return inductor.InductorGraph(_with_table(table, call), loaded)
+
+
+class _Layouts:
+    """The example inputs' layouts, checked on a call: a contiguous one by the tensor's flag
+    (fast: a decode step has hundreds of inputs; like Inductor's assertion, it ignores the
+    strides of dimensions of size 1), another by its strides."""
+
+    def __init__(self, flat: list[Any]) -> None:
+        self.contiguous = [i for i, x in enumerate(flat)
+                           if isinstance(x, torch.Tensor) and x.is_contiguous()]
+        self.strided = [(i, x.stride()) for i, x in enumerate(flat)
+                        if isinstance(x, torch.Tensor) and not x.is_contiguous()]
+        self.said = False
+
+    def match(self, flat: Any) -> bool:
+        return all(flat[i].is_contiguous() for i in self.contiguous) and all(
+            flat[i].stride() == stride for i, stride in self.strided)
+
+    def other(self, aten: GraphModule, args: Any, kwargs: dict[str, Any]) -> Any:
+        if not self.said:
+            self.said = True
+            log.info("hybrid: an input laid out unlike the example (its strides) runs the "
+                     "aten graph, which takes any layout")
+        return aten(*args, **kwargs)
 
 
 def _observe_layouts(graph: GraphModule, table: list[_Kernel], args: Any,
