@@ -147,6 +147,32 @@ def test_the_exporter_s_own_constants_are_kept_in_the_entry(exports: list[Path])
     assert len(exports) == 1
 
 
+class Permuted(nn.Module):
+    """A linear whose features are read through an index buffer (a channel permutation)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        generator = torch.Generator().manual_seed(seed)
+        self.register_buffer("order", torch.randperm(16, generator=generator))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)[:, self.order]
+
+
+@torch.no_grad()
+def test_index_buffers_key_the_entry_by_value(exports: list[Path]) -> None:
+    """The exporter writes an index buffer into constants of its own: a second model of the
+    same shapes with another permutation ran the first one's (3.07 off, verification then
+    rejecting ONNX Runtime for it, or silently wrong with ``verify=False``)."""
+    x = torch.randn(4, 16)
+    for seed in (1, 2):
+        model = Permuted(seed).eval()
+        fast = autoopt.optimize(model, (x,), backend="onnxruntime", verify=False)
+        torch.testing.assert_close(fast(x), model(x))
+    assert len(exports) == 2
+
+
 @torch.no_grad()
 def test_weights_the_exporter_computes_are_not_cached(exports: list[Path]) -> None:
     """With autoopt's BatchNorm folding off, the exporter folds the BatchNorm into the

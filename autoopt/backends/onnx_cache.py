@@ -62,7 +62,8 @@ def key(gm: GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
     """What an exported graph depends on, besides the weights' values: the graph's code, its
     tensors' names, shapes and dtypes, the inputs' (non-tensor inputs by value), which input
     sizes are left symbolic (``dynamic``, as export's ``dynamic_shapes``), the names given to
-    inputs and outputs, the device, and the exporter's and ONNX Runtime's versions."""
+    inputs and outputs, the device, and the exporter's and ONNX Runtime's versions; integer
+    and boolean tensors (index buffers) by value."""
     digest = hashlib.sha256()
     digest.update(f"{_FORMAT}|{gm.code}|{input_names}|{output_names}|{device.type}|"
                   f"{dynamic!r}".encode())
@@ -71,6 +72,11 @@ def key(gm: GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
         # BatchNorm's folded bias), so the graph depends on it (see ``store``).
         zero = "=0" if _all_zero(t) else ""
         digest.update(f"{name}:{tuple(t.shape)}:{t.dtype}{zero};".encode())
+        if not t.is_floating_point() and t.device.type != "meta":
+            # Integer and boolean tensors by value: the exporter writes an index buffer into
+            # constants of its own (a permutation became GatherND's indices), so another
+            # model's indices served this one (3.07 off).
+            digest.update(t.detach().cpu().contiguous().numpy().tobytes())
     for leaf in pytree.tree_leaves((args, kwargs)):
         digest.update((f"{tuple(leaf.shape)}:{leaf.dtype};" if isinstance(leaf, torch.Tensor)
                        else f"{type(leaf).__name__}={leaf!r};").encode())
