@@ -207,8 +207,9 @@ def test_unreadable_pt2_file(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "not a readable torch.export program" in capsys.readouterr().err
 
 
-def test_module_entry_point() -> None:
-    done = subprocess.run([sys.executable, "-m", "autoopt.cli", "--help"], capture_output=True,
+@pytest.mark.parametrize("module", ["autoopt.cli", "autoopt"])
+def test_module_entry_point(module: str) -> None:
+    done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and "optimize" in done.stdout
 
