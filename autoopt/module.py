@@ -8,6 +8,7 @@ that breaks an assumption is captured again or runs eagerly, never replayed on a
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from collections.abc import Callable, Mapping
@@ -462,5 +463,7 @@ def _own_saved_tensors() -> Any:
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t
 
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        return contextlib.nullcontext()  # hooks refused here (pushing one would raise)
     return torch.autograd.graph.saved_tensors_hooks(unpack, unpack)
 
