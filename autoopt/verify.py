@@ -516,13 +516,19 @@ def check_all(run_pair: Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, A
 
 
 def clone_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                 written: Iterable[int] = (),
                  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A private copy of every input tensor (parameters excepted), each a leaf that requires
     grad where the original did: a forward may write its inputs, and no run of autoopt's may
     write the user's. An object pytree does not know that holds tensors (transformers'
     ``DynamicCache``, a user's state object) is copied whole, its tensors so: the capture's
     runs grew the user's cache (a decode step's logits 0.59 off) and left an fx ``Proxy`` in a
-    state object's attribute."""
+    state object's attribute.
+
+    ``written``: positions in ``args`` copied even where they hold a parameter (a Dynamo
+    subgraph takes its parameters as inputs, and one that ends in ``optimizer.step()`` or
+    updates a statistic kept in a parameter writes them: each measuring run applied the
+    update again)."""
     def copy_tensor(x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, torch.nn.Parameter):
             return x
@@ -543,7 +549,20 @@ def clone_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any],
                      "object itself", type(x).__name__, exc)
             return x
 
-    return pytree.tree_map(copy_leaf, (tuple(args), dict(kwargs)))
+    copied_args, copied_kwargs = pytree.tree_map(copy_leaf, (tuple(args), dict(kwargs)))
+    written = set(written)
+    if written:
+        copied_args = tuple(copy_tensor_always(original) if i in written and isinstance(
+            original, torch.nn.Parameter) else copied for i, (copied, original) in enumerate(
+                zip(copied_args, args, strict=True)))
+    return copied_args, copied_kwargs
+
+
+def copy_tensor_always(x: torch.Tensor) -> torch.Tensor:
+    """A plain tensor copy of ``x`` (a parameter's too), a leaf requiring grad where ``x``
+    does."""
+    clone = x.detach().clone()
+    return clone.requires_grad_() if x.requires_grad and clone.is_floating_point() else clone
 
 
 def _tensors_inside(obj: Any, depth: int = 0) -> list[torch.Tensor]:

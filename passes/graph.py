@@ -191,6 +191,32 @@ def is_impure(node: Node) -> bool:
     return bool(kwargs and kwargs.get("inplace"))
 
 
+def written_placeholders(gm: GraphModule) -> set[int]:
+    """The positions of ``gm``'s inputs that running it may write in place: those an impure
+    call (see ``is_impure``) reads, directly or through any chain of calls, as its first
+    argument (each of them for a list: ``_foreach_add_``'s parameters). Over-approximate:
+    the chain is not checked to be views, so an input that only feeds what is written counts
+    too."""
+    placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes
+                                                if n.op == "placeholder")}
+    written: set[int] = set()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output") or not node.args or not is_impure(node):
+            continue
+        first = node.args[0]
+        roots = list(first) if isinstance(first, (list, tuple)) else [first]
+        seen: set[Node] = set()
+        while roots:
+            root = roots.pop()
+            if not isinstance(root, Node) or root in seen:
+                continue
+            seen.add(root)
+            if root in placeholders:
+                written.add(placeholders[root])
+            roots.extend(a for a in root.all_input_nodes)
+    return written
+
+
 def _updates_statistics(kwargs: dict[str, Any] | None) -> bool:
     if kwargs is None:
         return True  # unreadable arguments: assume the write

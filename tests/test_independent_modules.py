@@ -97,9 +97,10 @@ def test_modules_whose_forward_writes_buffers_never_capture_each_other(mode: str
     model = RunningMean().train(mode == "train")
     x = torch.randn(4, 8)
     versions, state = _versions(model), copy.deepcopy(model.state_dict())
-    options: dict[str, dict[str, Any]] = {"a": {}, "b": {"dynamic": True}}
-    if mode == "eval":
-        options["c"] = {**INT8, "pass_options": {**LOWER, **INT8["pass_options"]}}
+    # (No int8 variant: this model's one 8x8 linear is below what int8 quantizes, and
+    # optimize refuses a precision it applies to no op; the BERT test below has one.)
+    options: dict[str, dict[str, Any]] = {"a": {}, "b": {"dynamic": True},
+                                          "c": {"random_inputs": 0}}
     fasts = {k: autoopt.optimize(model, (x,), **{"pass_options": LOWER, **o})
              for k, o in options.items()}
     if mode == "eval":  # graphs run the calls (where a pass changed them), not the model
@@ -112,7 +113,7 @@ def test_modules_whose_forward_writes_buffers_never_capture_each_other(mode: str
             inputs = x if i % 2 else torch.randn(4, 8)
             expected = twins[key](inputs)
             actual = fasts[key](inputs)
-            _close(actual, expected, 5e-2 if key == "c" else 1e-4)
+            _close(actual, expected, 1e-4)
     for key, fast in fasts.items():
         assert _captures(fast) == 1, (key, fast.report)
         assert fast.module.calls.item() == twins[key].calls.item() == len(ORDERS)

@@ -17,6 +17,7 @@ from torch.fx import GraphModule
 from ..config import OptimizeConfig
 from ..cost_model import CostModel
 from ..driver import copy_graph_module, portable
+from ..passes.graph import written_placeholders
 from ..report import BackendChoice
 from ..verify import VerifyResult, clone_inputs
 from . import inductor
@@ -68,7 +69,7 @@ def lower_subgraph(optimized: GraphModule, example_inputs: Sequence[Any], inputs
         # compile Inductor's backward graph nested in it, which Dynamo's bookkeeping refuses
         # (the frame's compile then fails). Verification of the whole module, after Dynamo is
         # done, runs the backward and compares the gradients.
-        private, _ = clone_inputs(tuple(inputs), {})
+        private, _ = clone_inputs(tuple(inputs), {}, written_placeholders(optimized))
         return lambda: run(*private)
 
     what = identity(optimized, portable(optimized), tuple(inputs), {}, gradients, False,

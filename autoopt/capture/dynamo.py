@@ -19,6 +19,7 @@ from ..config import OptimizeConfig
 from ..cost_model import CostModel
 from ..driver import copy_graph_module, run_pipeline
 from ..passes import PassContext
+from ..passes.graph import written_placeholders
 from ..report import CaptureRecord, PassRecord
 from ..verify import VerifyResult, check_all, clone_inputs, input_sets, reference_run
 from .graph import annotate, concrete_inputs
@@ -88,9 +89,10 @@ def verify_graph(reference: GraphModule, candidate: GraphModule, example_inputs:
     # process. Graphs calling one are checked on the example inputs, which eager ran.
     random = 0 if _custom_ops(reference) else config.random_inputs
     sets = input_sets(tuple(example_inputs), {}, random)
+    writes = written_placeholders(reference) | written_placeholders(candidate)
 
     def run(graph: GraphModule, args: tuple[Any, ...]) -> tuple[Any, list[Any]]:
-        private, _ = clone_inputs(args, {})
+        private, _ = clone_inputs(args, {}, writes)
         with torch.random.fork_rng():
             torch.manual_seed(0)
             out = graph(*private)
