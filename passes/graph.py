@@ -217,6 +217,21 @@ def written_placeholders(gm: GraphModule) -> set[int]:
     return written
 
 
+def written_attributes(gm: GraphModule) -> list[str]:
+    """The module attributes (buffers, parameters) ``gm`` writes in place: those an impure
+    call takes as its first argument directly (a ``torch.export`` graph writes a buffer with
+    ``copy_(buffer, new)``), or in a list there."""
+    names: list[str] = []
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output") or not node.args or not is_impure(node):
+            continue
+        first = node.args[0]
+        for root in list(first) if isinstance(first, (list, tuple)) else [first]:
+            if isinstance(root, Node) and root.op == "get_attr" and str(root.target) not in names:
+                names.append(str(root.target))
+    return names
+
+
 def _updates_statistics(kwargs: dict[str, Any] | None) -> bool:
     if kwargs is None:
         return True  # unreadable arguments: assume the write

@@ -79,3 +79,35 @@ def test_without_verification_a_wrong_pass_is_not_caught() -> None:
     x = torch.randn(4, 8)
     fast = autoopt.optimize(model, (x,), pipeline=pipeline, verify=False)
     torch.testing.assert_close(fast(x), -model(x))
+
+
+class _Counting(nn.Module):
+    """An eval-mode forward that counts its calls in a buffer and adds the count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count.add_(1)
+        return self.second(torch.relu(self.first(x))) + self.count
+
+
+@torch.no_grad()
+def test_a_forward_that_writes_buffers_pipelines_whole_batches_only() -> None:
+    """Over one microbatch the pipeline was refused as "depending on how the batch is split"
+    (eager's reference run had advanced the counter the stages read); over two, each
+    microbatch wrote the buffers (the counter moved by 2 a call), unverified."""
+    import copy
+
+    torch.manual_seed(0)
+    model, x = _Counting().eval(), torch.randn(4, 8)
+    twin = copy.deepcopy(model)
+    pipe = autoopt.optimize(model, (x,), devices=["cpu", "cpu"], microbatches=1)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(pipe(x), twin(x))
+    with pytest.raises(autoopt.ConfigError, match="writes count on every call; a pipeline over "
+                                                  "2 microbatches would write them once per"):
+        autoopt.optimize(model, (x,), devices=["cpu", "cpu"], microbatches=2)

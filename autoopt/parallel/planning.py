@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 from ..cost_model import CostModel, GraphCost, NodeCost
 from ..driver import portable
 from ..errors import ConfigError, ModelError
+from ..passes.graph import written_attributes
 from ..planning.partition import DeviceSpec, Partition, PartitionError, partition
 from ..state import preserved
 from ..verify import compare
@@ -166,6 +167,14 @@ def pipeline_module(optimized: OptimizedModule, args: tuple[Any, ...], kwargs: d
         raise ModelError(f"pipelining needs the whole model as one graph (torch.export), but "
                          f"it was captured by {spec_run.method}; see the report's capture "
                          f"attempts:\n{optimized.report}")
+    written = written_attributes(gm)
+    if config.microbatches > 1 and written and not training:
+        # Each microbatch's stage run would write them: a counter moved by the number of
+        # microbatches per call, a running mean took each microbatch's (the outputs alike).
+        raise ConfigError(f"the forward writes {', '.join(written[:4])}"
+                          f"{' …' if len(written) > 4 else ''} on every call; a pipeline over "
+                          f"{config.microbatches} microbatches would write them once per "
+                          f"microbatch. Use microbatches=1.")
     if any(torch.device(d).type != optimized.cost_model.device.type for d in devices):
         # Lowered kernels (oneDNN's packed convolutions) run only on the capture's device
         # type; stages elsewhere get the graph from before lowering.
@@ -184,10 +193,15 @@ def pipeline_module(optimized: OptimizedModule, args: tuple[Any, ...], kwargs: d
         # place), and neither leaves a trace on them, the model or the stages.
         with torch.no_grad(), preserved(optimized.module, pipe, args, kwargs):
             torch.manual_seed(0)
-            with preserved(args, kwargs):
+            # The stages may read the module's own buffers: eager's writes (a counter) are
+            # put back before the pipeline runs from the same start.
+            with preserved(args, kwargs, optimized.module):
                 expected = optimized.module(*args, **kwargs)
             torch.manual_seed(0)
             result = compare(expected, pipe(*args, **kwargs), config.verification_tolerances)
+        if not result.ok and config.microbatches == 1:
+            raise ModelError(f"the pipeline differs from eager ({result.detail}); "
+                             f"verify=False accepts it")
         if not result.ok:
             raise ModelError(f"the pipeline over {config.microbatches} microbatches differs "
                              f"from eager ({result.detail}): the model's function depends on "
