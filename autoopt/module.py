@@ -413,8 +413,12 @@ class OptimizedModule(nn.Module):
     def _eager_beyond_limit(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                             ) -> Compiled:
         limit = self._config.max_specializations
+        advice = ("The graphs are dynamic already: other dtypes, flags or grad modes, and "
+                  "sizes outside their ranges, each take one; raise max_specializations."
+                  if self._dynamic or self._dynamic_shapes is not None else
+                  "Pass dynamic=True to let shapes vary in one graph.")
         message = (f"{limit} input signatures captured (max_specializations); new ones run "
-                   f"eagerly. Pass dynamic=True to let shapes vary in one graph.")
+                   f"eagerly. {advice}")
         if message not in self.report.warnings:
             self.report.warnings.append(message)
             warnings.warn(f"autoopt: {message}", stacklevel=3)
