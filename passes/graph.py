@@ -193,10 +193,10 @@ def is_impure(node: Node) -> bool:
 
 def written_placeholders(gm: GraphModule) -> set[int]:
     """The positions of ``gm``'s inputs that running it may write in place: those an impure
-    call (see ``is_impure``) reads, directly or through any chain of calls, as its first
-    argument (each of them for a list: ``_foreach_add_``'s parameters). Over-approximate:
-    the chain is not checked to be views, so an input that only feeds what is written counts
-    too."""
+    call (see ``is_impure``) takes as its first argument (each of them for a list:
+    ``_foreach_add_``'s parameters), directly or through views of them (``view``,
+    ``__getitem__``, ``transpose``, ...). An input that only feeds what is written (a weight
+    before an in-place ReLU) is not written."""
     placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes
                                                 if n.op == "placeholder")}
     written: set[int] = set()
@@ -213,8 +213,28 @@ def written_placeholders(gm: GraphModule) -> set[int]:
             seen.add(root)
             if root in placeholders:
                 written.add(placeholders[root])
-            roots.extend(a for a in root.all_input_nodes)
+            elif _is_view(root) and root.args:
+                base = root.args[0]
+                roots.extend(base if isinstance(base, (list, tuple)) else [base])
     return written
+
+
+# Calls whose result shares its first argument's memory (by name, at every capture level).
+_VIEWS = frozenset({
+    "view", "view_as", "_unsafe_view", "reshape", "reshape_as", "transpose", "permute", "t",
+    "unsqueeze", "squeeze", "expand", "expand_as", "flatten", "unflatten", "narrow", "select",
+    "slice", "__getitem__", "getitem", "detach", "alias", "as_strided", "split", "chunk",
+    "unbind", "movedim", "swapaxes", "swapdims", "diagonal", "unfold", "real", "imag",
+    "view_as_real", "view_as_complex", "contiguous", "split_with_sizes", "tensor_split"})
+
+
+def _is_view(node: Node) -> bool:
+    if node.op == "call_method":
+        return str(node.target) in _VIEWS
+    if node.op != "call_function":
+        return False
+    name = getattr(node.target, "__name__", "")
+    return name.split(".")[0] in _VIEWS
 
 
 def written_attributes(gm: GraphModule) -> list[str]:
