@@ -89,7 +89,8 @@ def verify_graph(reference: GraphModule, candidate: GraphModule, example_inputs:
     # process. Graphs calling one are checked on the example inputs, which eager ran.
     random = 0 if _custom_ops(reference) else config.random_inputs
     sets = input_sets(tuple(example_inputs), {}, random)
-    writes = written_placeholders(reference) | written_placeholders(candidate)
+    writes = set().union(*(written_placeholders(g) for g in (reference, candidate)
+                           if isinstance(g, GraphModule)))
 
     def run(graph: GraphModule, args: tuple[Any, ...]) -> tuple[Any, list[Any]]:
         private, _ = clone_inputs(args, {}, writes)
@@ -98,7 +99,7 @@ def verify_graph(reference: GraphModule, candidate: GraphModule, example_inputs:
             # Its forward, not the module: a graph module's call prints the generated code's
             # traceback to stderr before raising, and a candidate failing on a random input
             # set is an expected outcome here, not the user's error.
-            out = graph.forward(*private)
+            out = (graph.forward if isinstance(graph, GraphModule) else graph)(*private)
         written = [x for x, original in zip(private, args, strict=True)
                    if isinstance(x, torch.Tensor) and x is not original]
         return out, written
