@@ -192,14 +192,29 @@ def is_impure(node: Node) -> bool:
 
 
 def written_placeholders(gm: GraphModule) -> set[int]:
-    """The positions of ``gm``'s inputs that running it may write in place: those an impure
-    call (see ``is_impure``) takes as its first argument (each of them for a list:
-    ``_foreach_add_``'s parameters), directly or through views of them (``view``,
-    ``__getitem__``, ``transpose``, ...). An input that only feeds what is written (a weight
-    before an in-place ReLU) is not written."""
-    placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes
-                                                if n.op == "placeholder")}
-    written: set[int] = set()
+    """The positions of ``gm``'s inputs that running it may write in place (see
+    ``written_roots``)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    roots = written_roots(gm)
+    return {i for i, n in enumerate(placeholders) if n in roots}
+
+
+def written_attributes(gm: GraphModule) -> list[str]:
+    """The module attributes (buffers, parameters, an optimizer's state that Dynamo reads
+    as attributes) ``gm`` may write in place, by target (see ``written_roots``)."""
+    roots = written_roots(gm)
+    return list(dict.fromkeys(str(n.target) for n in gm.graph.nodes
+                              if n.op == "get_attr" and n in roots))
+
+
+def written_roots(gm: GraphModule) -> set[Node]:
+    """The placeholders and ``get_attr`` nodes whose tensors running ``gm`` may write in
+    place: those an impure call (see ``is_impure``) takes as its first argument (each of them
+    for a list: ``_foreach_add_``'s parameters), directly or through views of them (``view``,
+    ``__getitem__``, ``transpose``, ...) and results of in-place calls on them (``b.mul_(m)
+    .add_(g)``). An input that only feeds what is written (a weight before an in-place ReLU)
+    is not written."""
+    found: set[Node] = set()
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output") or not node.args or not is_impure(node):
             continue
@@ -211,12 +226,12 @@ def written_placeholders(gm: GraphModule) -> set[int]:
             if not isinstance(root, Node) or root in seen:
                 continue
             seen.add(root)
-            if root in placeholders:
-                written.add(placeholders[root])
-            elif _is_view(root) and root.args:
+            if root.op in ("placeholder", "get_attr"):
+                found.add(root)
+            elif (_is_view(root) or is_impure(root)) and root.args:
                 base = root.args[0]
                 roots.extend(base if isinstance(base, (list, tuple)) else [base])
-    return written
+    return found
 
 
 # Calls whose result shares its first argument's memory (by name, at every capture level).
@@ -235,21 +250,6 @@ def _is_view(node: Node) -> bool:
         return False
     name = getattr(node.target, "__name__", "")
     return name.split(".")[0] in _VIEWS
-
-
-def written_attributes(gm: GraphModule) -> list[str]:
-    """The module attributes (buffers, parameters) ``gm`` writes in place: those an impure
-    call takes as its first argument directly (a ``torch.export`` graph writes a buffer with
-    ``copy_(buffer, new)``), or in a list there."""
-    names: list[str] = []
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output") or not node.args or not is_impure(node):
-            continue
-        first = node.args[0]
-        for root in list(first) if isinstance(first, (list, tuple)) else [first]:
-            if isinstance(root, Node) and root.op == "get_attr" and str(root.target) not in names:
-                names.append(str(root.target))
-    return names
 
 
 def _updates_statistics(kwargs: dict[str, Any] | None) -> bool:

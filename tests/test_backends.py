@@ -722,7 +722,9 @@ class _RunningMean(nn.Module):
 
 def test_dynamo_subgraphs_that_write_parameters_write_them_once(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    """A Dynamo subgraph takes its parameters as inputs, which measuring runs did not copy:
+    """A Dynamo subgraph takes its parameters as inputs (or reads them, and an optimizer's
+    momentum, as attributes, after another compile in the process), which measuring runs did
+    not copy (nor put back):
     ``torch.compile(backend="autoopt")`` over a step ending in ``optimizer.step()``, or a
     statistic kept in a parameter, applied the update once per candidate run (SGD with
     momentum: parameters 7.2 off after one step, 42,623 after three)."""

@@ -19,8 +19,9 @@ from ..config import OptimizeConfig
 from ..cost_model import CostModel
 from ..driver import copy_graph_module, run_pipeline
 from ..passes import PassContext
-from ..passes.graph import written_placeholders
+from ..passes.graph import attr, written_attributes, written_placeholders
 from ..report import CaptureRecord, PassRecord
+from ..state import preserved
 from ..verify import VerifyResult, check_all, clone_inputs, input_sets, reference_run
 from .graph import annotate, concrete_inputs
 
@@ -94,7 +95,11 @@ def verify_graph(reference: GraphModule, candidate: GraphModule, example_inputs:
 
     def run(graph: GraphModule, args: tuple[Any, ...]) -> tuple[Any, list[Any]]:
         private, _ = clone_inputs(args, {}, writes)
-        with torch.random.fork_rng():
+        # (attributes it writes, an optimizer's parameters: put back after the run)
+        attributes = [attr(graph, name) for name in written_attributes(graph)] \
+            if isinstance(graph, GraphModule) else []
+        with torch.random.fork_rng(), preserved(
+                [t for t in attributes if isinstance(t, torch.Tensor)]):
             torch.manual_seed(0)
             # Its forward, not the module: a graph module's call prints the generated code's
             # traceback to stderr before raising, and a candidate failing on a random input
