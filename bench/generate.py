@@ -222,7 +222,12 @@ def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
     labels = ("autoopt", f"autoopt {low}") + ((f"autoopt {low} forced",) if int8_forced else ())
     for label in labels:
         print(f"[{name} b{batch}] {label}: optimize and two generate calls", flush=True)
-        generate, tokens[label], setup[label] = set_up(label, model, ids, greedy)
+        try:
+            generate, tokens[label], setup[label] = set_up(label, model, ids, greedy)
+        except autoopt.ConfigError as exc:  # precision= that applies to no linear here
+            failed[label] = f"ConfigError: {str(exc).splitlines()[0][:80]}"
+            print(f"[{name} b{batch}] {label}: {exc}", flush=True)
+            continue
         runners[label] = synced(generate, device)
         modules[label] = generate.__self__
     cold_s: dict[str, float | str] = {}
@@ -239,7 +244,7 @@ def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
     # Only where the weights are stored in low precision: fp32 runners generate eager's tokens.
     print(f"[{name} b{batch}] autoopt {low}: next tokens given eager's prefix", flush=True)
     forced = {label: next_token_agreement(modules[label], model, tokens["eager"], prompt)
-              for label in labels[1:]}
+              for label in labels[1:] if label in modules}
     rows: list[dict[str, Any]] = [dict(model=name, batch=batch, runner=label, failed=why,
                                        weights_mib=weight_bytes(model) / 2**20)
                                   for label, why in failed.items()]
