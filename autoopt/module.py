@@ -464,10 +464,10 @@ def _own_saved_tensors() -> Any:
     ``torch.utils.checkpoint(fast, ...)`` the first call of a new signature captured under
     checkpoint's hooks, which counted every tensor capture saved (147 against the graph's 21
     in the recompute: a ``CheckpointError`` at backward)."""
-    def unpack(t: torch.Tensor) -> torch.Tensor:
+    def same(t: torch.Tensor) -> torch.Tensor:
         return t
 
     if not torch._C._autograd._saved_tensors_hooks_is_enabled():
         return contextlib.nullcontext()  # hooks refused here (pushing one would raise)
-    return torch.autograd.graph.saved_tensors_hooks(unpack, unpack)
+    return torch.autograd.graph.saved_tensors_hooks(same, same)
 

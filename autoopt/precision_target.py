@@ -66,12 +66,11 @@ def check_target(cfg: OptimizeConfig, device: torch.device | None, training: boo
     if low > fp32 or force:
         return cfg
     speed = f"{low / 1e9:.0f} GFLOP/s in {precision} vs {fp32 / 1e9:.0f} in fp32 (measured)"
-    other = "use precision='bf16' or 'int8' here, " if precision == "fp16" else \
-        "drop precision= (fp32 is the faster here), use precision='int8', "
+    other = "Use precision='bf16' or 'int8' here, " if precision == "fp16" else \
+        "Drop precision= (fp32 is the faster here), use precision='int8', "
     raise ConfigError(f"precision='{precision}' on this CPU would be slower than fp32 "
-                      f"({speed}): it has no fast {precision} matmul. {other[0].upper()}"
-                      f"{other[1:]}or pass pass_options={{'precision': {{'force': True}}}} "
-                      f"to cast anyway.")
+                      f"({speed}): it has no fast {precision} matmul. {other}or pass "
+                      f"pass_options={{'precision': {{'force': True}}}} to cast anyway.")
 
 
 def autocast_tolerance(cfg: OptimizeConfig, model: torch.nn.Module, args: tuple[Any, ...],

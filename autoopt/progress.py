@@ -141,7 +141,7 @@ class _Progress(logging.Handler):
                                                         >= FIRST_S):
                 self.shown = self.latest
                 self.last_line = elapsed
-                self._write(f"{elapsed:.0f} s: {_clip(self.latest, 160)}")
+                self._write(f"{elapsed:.0f} s: {clip(self.latest, 160)}")
 
     def _write(self, text: str) -> None:
         try:
@@ -152,5 +152,6 @@ class _Progress(logging.Handler):
             pass
 
 
-def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[:width - 3] + "..."
+def clip(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters, with ``...`` where it was cut."""
+    return text if len(text) <= width else text[:max(width - 3, 0)] + "..."

@@ -264,9 +264,10 @@ class Capturer:
         return obstacles
 
     def _probe_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        # (EagerRaised: the example's capture says so; a later call raises eager's own error)
         """One eager call on a copy of the inputs, from the buffers' values as they are (they
-        are put back after it, with the RNG: each probe call sees the same)."""
+        are put back after it, with the RNG: each probe call sees the same). Where the model
+        raises, ``EagerRaised``: the example's capture says so, a later call raises eager's
+        own error."""
         with preserved(list(self.module.buffers())):
             probe_args, probe_kwargs = clone_inputs(args, kwargs)
             try:

@@ -530,10 +530,7 @@ def clone_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any],
     updates a statistic kept in a parameter writes them: each measuring run applied the
     update again)."""
     def copy_tensor(x: torch.Tensor) -> torch.Tensor:
-        if isinstance(x, torch.nn.Parameter):
-            return x
-        clone = x.detach().clone()
-        return clone.requires_grad_() if x.requires_grad and clone.is_floating_point() else clone
+        return x if isinstance(x, torch.nn.Parameter) else _copy_tensor(x)
 
     def copy_leaf(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -552,13 +549,13 @@ def clone_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any],
     copied_args, copied_kwargs = pytree.tree_map(copy_leaf, (tuple(args), dict(kwargs)))
     written = set(written)
     if written:
-        copied_args = tuple(copy_tensor_always(original) if i in written and isinstance(
+        copied_args = tuple(_copy_tensor(original) if i in written and isinstance(
             original, torch.nn.Parameter) else copied for i, (copied, original) in enumerate(
                 zip(copied_args, args, strict=True)))
     return copied_args, copied_kwargs
 
 
-def copy_tensor_always(x: torch.Tensor) -> torch.Tensor:
+def _copy_tensor(x: torch.Tensor) -> torch.Tensor:
     """A plain tensor copy of ``x`` (a parameter's too), a leaf requiring grad where ``x``
     does."""
     clone = x.detach().clone()

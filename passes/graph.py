@@ -207,6 +207,13 @@ def written_attributes(gm: GraphModule) -> list[str]:
                               if n.op == "get_attr" and n in roots))
 
 
+def written_tensors(gm: GraphModule) -> list[torch.Tensor]:
+    """The module tensors ``gm`` may write in place through ``get_attr`` (see
+    ``written_attributes``), for a run to put back."""
+    found = (attr(gm, name) for name in written_attributes(gm))
+    return [t for t in found if isinstance(t, torch.Tensor)]
+
+
 def written_roots(gm: GraphModule) -> set[Node]:
     """The placeholders and ``get_attr`` nodes whose tensors running ``gm`` may write in
     place: those an impure call (see ``is_impure``) takes as its first argument (each of them

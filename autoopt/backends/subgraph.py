@@ -17,7 +17,7 @@ from torch.fx import GraphModule
 from ..config import OptimizeConfig
 from ..cost_model import CostModel
 from ..driver import copy_graph_module, portable
-from ..passes.graph import attr, written_attributes, written_placeholders
+from ..passes.graph import written_placeholders, written_tensors
 from ..report import BackendChoice
 from ..state import preserved
 from ..verify import VerifyResult, clone_inputs
@@ -77,8 +77,7 @@ def lower_subgraph(optimized: GraphModule, example_inputs: Sequence[Any], inputs
                     config.backend_options)
     # What the subgraph writes that is not an input (Dynamo reads a compiled optimizer's
     # parameters and momentum as attributes) is put back after the candidates' runs.
-    written = [attr(optimized, name) for name in written_attributes(optimized)]
-    with preserved([t for t in written if isinstance(t, torch.Tensor)]):
+    with preserved(written_tensors(optimized)):
         return choose_backend(label, lowerings, skipped, verify=verify, timer=timer,
                               cost_model=cost_model, what=what,
                               required=config.backend is not None, gradients=gradients)

@@ -19,7 +19,7 @@ from ..config import OptimizeConfig
 from ..cost_model import CostModel
 from ..driver import copy_graph_module, run_pipeline
 from ..passes import PassContext
-from ..passes.graph import attr, written_attributes, written_placeholders
+from ..passes.graph import written_placeholders, written_tensors
 from ..report import CaptureRecord, PassRecord
 from ..state import preserved
 from ..verify import VerifyResult, check_all, clone_inputs, input_sets, reference_run
@@ -90,16 +90,14 @@ def verify_graph(reference: GraphModule, candidate: GraphModule, example_inputs:
     # process. Graphs calling one are checked on the example inputs, which eager ran.
     random = 0 if _custom_ops(reference) else config.random_inputs
     sets = input_sets(tuple(example_inputs), {}, random)
-    writes = set().union(*(written_placeholders(g) for g in (reference, candidate)
-                           if isinstance(g, GraphModule)))
+    graphs = [g for g in (reference, candidate) if isinstance(g, GraphModule)]
+    writes = set().union(*(written_placeholders(g) for g in graphs))
+    # What each writes through attributes (an optimizer's parameters): put back after a run.
+    attributes = {id(g): written_tensors(g) for g in graphs}
 
     def run(graph: GraphModule, args: tuple[Any, ...]) -> tuple[Any, list[Any]]:
         private, _ = clone_inputs(args, {}, writes)
-        # (attributes it writes, an optimizer's parameters: put back after the run)
-        attributes = [attr(graph, name) for name in written_attributes(graph)] \
-            if isinstance(graph, GraphModule) else []
-        with torch.random.fork_rng(), preserved(
-                [t for t in attributes if isinstance(t, torch.Tensor)]):
+        with torch.random.fork_rng(), preserved(attributes.get(id(graph), [])):
             torch.manual_seed(0)
             # Its forward, not the module: a graph module's call prints the generated code's
             # traceback to stderr before raising, and a candidate failing on a random input

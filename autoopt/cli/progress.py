@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
+from ..progress import clip
+
 log = logging.getLogger("autoopt.cli")
 _LIBRARY = logging.getLogger("autoopt")
 _FORMAT = "%(levelname)s %(name)s: %(message)s"
@@ -87,10 +89,6 @@ def _source(name: str) -> str:
     if parts[0] == "cost_model":
         return "measuring"
     return parts[0]
-
-
-def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[:max(width - 3, 0)] + "..."
 
 
 class _Lines(logging.Handler):
@@ -183,10 +181,10 @@ class _StatusLine(logging.Handler):
         text = (f"{self._SPIN[self.ticks % len(self._SPIN)]} autoopt {self.command} "
                 f"{elapsed:5.1f}s  ")
         if self.detail:  # the stage gives up room first: the detail is what moves
-            text += f"{_clip(self.stage, max(16, (width - len(text)) // 3))} | {self.detail}"
+            text += f"{clip(self.stage, max(16, (width - len(text)) // 3))} | {self.detail}"
         else:
             text += self.stage
-        text = _clip(text, width)
+        text = clip(text, width)
         self.stream.write("\r" + text.ljust(self.drawn))
         self.stream.flush()
         self.drawn = len(text)
