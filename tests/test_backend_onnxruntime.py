@@ -305,3 +305,24 @@ def test_a_negative_token_id_is_an_error_as_in_eager() -> None:
         with pytest.raises(autoopt.InputError, match="'ids' indexes a table .* negative"):
             fast(bad)
         torch.testing.assert_close(fast(ids.flip(0)), model(ids.flip(0)))
+
+
+def test_only_masked_attention_is_rewritten_for_the_exporter_and_the_graph_is_kept() -> None:
+    """Must not fire: a graph without masked attention is handed over as it is; with one, a
+    copy is rewritten and the graph module given (which may be serving calls) is untouched."""
+    from autoopt.export.onnx_attention import with_empty_rows_zeroed
+
+    class Attend(nn.Module):
+        def forward(self, q: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+    q, mask = torch.randn(2, 2, 4, 8), torch.ones(2, 1, 4, 4, dtype=torch.bool)
+    plain = torch.export.export(Attend(), (q,)).module()
+    assert with_empty_rows_zeroed(plain) is plain
+    masked = torch.export.export(Attend(), (q, mask)).module()
+    before = masked.code
+    rewritten = with_empty_rows_zeroed(masked)
+    assert rewritten is not masked and masked.code == before
+    mask[0, 0, 1] = False  # a row that allows nothing
+    torch.testing.assert_close(rewritten(q, mask), Attend()(q, mask))
+    assert not rewritten(q, mask)[0, :, 1].any()
