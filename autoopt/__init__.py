@@ -2,12 +2,16 @@
 
     fast = autoopt.optimize(model, example_inputs)   # same function, verified against eager
     print(fast.report)                                # what was captured and rewritten
+
+The public names are imported on first use (PEP 562): ``import autoopt`` imports no torch, so
+that ``autoopt --help`` and ``--version`` answer in a fraction of a second instead of the
+seconds torch and the whole library take to import.
 """
 
-from .api import OptimizedModule, optimize
-from .capture.dynamo import autoopt_backend
-from .config import OptimizeConfig
-from .diagnose import Diagnosis, diagnose
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+from . import diagnose as _diagnose_package  # noqa: F401 - light; loaded now, see below
 from .errors import (
     AutoOptError,
     ConfigError,
@@ -17,14 +21,35 @@ from .errors import (
     ModelError,
     ModelSpecError,
 )
-from .export.onnx import OnnxReport, OnnxVerificationError, export_onnx
-from .export.session import OnnxSession, onnx_session
-from .parallel.pipeline import Pipeline  # optimize(..., devices=[...]) returns one
-from .report import CaptureRecord, PassRecord, Report
-from .runtime import prefetch as data  # autoopt.data.prefetch: asynchronous loading
-from .verify import Tolerance, VerifyResult
+
+# Importing the subpackage bound ``autoopt.diagnose`` to it; the public name is the function.
+# The subpackage is in sys.modules now, so no later import rebinds it.
+del globals()["diagnose"]
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
+    from .api import OptimizedModule, optimize
+    from .capture.dynamo import autoopt_backend
+    from .config import OptimizeConfig
+    from .diagnose.diagnosis import Diagnosis, diagnose
+    from .export.onnx import OnnxReport, OnnxVerificationError, export_onnx
+    from .export.session import OnnxSession, onnx_session
+    from .parallel.pipeline import Pipeline
+    from .report import CaptureRecord, PassRecord, Report
+    from .runtime import prefetch as data
+    from .verify import Tolerance, VerifyResult
 
 __version__ = "0.1.0"
+
+# Public name -> the module that defines it (``data`` is a module: autoopt.data.prefetch).
+_LAZY = {
+    "OptimizedModule": ".api", "optimize": ".api", "autoopt_backend": ".capture.dynamo",
+    "OptimizeConfig": ".config", "Diagnosis": ".diagnose.diagnosis",
+    "diagnose": ".diagnose.diagnosis", "OnnxReport": ".export.onnx",
+    "OnnxVerificationError": ".export.onnx", "export_onnx": ".export.onnx",
+    "OnnxSession": ".export.session", "onnx_session": ".export.session",
+    "Pipeline": ".parallel.pipeline", "CaptureRecord": ".report", "PassRecord": ".report",
+    "Report": ".report", "Tolerance": ".verify", "VerifyResult": ".verify",
+}
 
 __all__ = [
     "AutoOptError", "CaptureRecord", "ConfigError", "DependencyError", "DeviceError",
@@ -35,3 +60,26 @@ __all__ = [
 ]
 __all__ += ["Diagnosis", "data", "diagnose"]  # diagnosis and asynchronous loading
 __all__ += ["Pipeline"]  # pipeline stages across devices (autoopt.parallel)
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, or a subpackage (``autoopt.passes``), imported on first use."""
+    if name == "data":
+        value: Any = import_module(".runtime.prefetch", __name__)
+    elif name in _LAZY:
+        value = getattr(import_module(_LAZY[name], __name__), name)
+    elif not name.startswith("_"):
+        try:
+            return import_module(f".{name}", __name__)
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise  # the submodule exists and failed to import something: say so
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

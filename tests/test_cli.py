@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -212,6 +213,62 @@ def test_module_entry_point(module: str) -> None:
     done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and "optimize" in done.stdout
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["optimize", "--help"],
+                                  ["export", "--help"], ["generate", "--help"]])
+def test_help_and_version_import_no_torch(argv: list[str]) -> None:
+    """``autoopt --help`` took 17 s on a loaded machine importing torch and all of autoopt;
+    it imports neither now (a generous bound on the time: machines vary)."""
+    code = textwrap.dedent(f"""
+        import sys
+        from autoopt.cli import main
+        try:
+            main({argv!r})
+        except SystemExit as exc:
+            assert exc.code == 0, exc.code
+        heavy = sorted(m for m in ("torch", "autoopt.api", "autoopt.passes") if m in sys.modules)
+        assert not heavy, heavy
+    """)
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    elapsed = time.perf_counter() - started
+    assert done.returncode == 0, done.stderr
+    assert "usage: autoopt" in done.stdout or done.stdout.startswith("autoopt ")
+    assert elapsed < 5, elapsed
+
+
+def test_the_parsers_lists_are_the_librarys() -> None:
+    """The CLI keeps its own copies of these names so that --help imports no torch."""
+    from autoopt.cli import names
+    from autoopt.export.onnx_writer import EXPORTERS
+    from autoopt.passes.precision import PRECISIONS
+
+    assert names.PASS_NAMES == PASS_NAMES
+    assert names.PRECISIONS == PRECISIONS
+    assert names.EXPORTERS == EXPORTERS
+
+
+def test_import_autoopt_is_light_and_its_names_load_on_use() -> None:
+    code = textwrap.dedent("""
+        import sys
+        import autoopt
+        assert "torch" not in sys.modules
+        import autoopt.diagnose.collect  # the subpackage does not replace the function
+        assert callable(autoopt.diagnose) and autoopt.diagnose.__name__ == "diagnose"
+        assert all(hasattr(autoopt, name) for name in autoopt.__all__)
+        assert autoopt.passes.PASS_NAMES and autoopt.data.prefetch
+        try:
+            autoopt.no_such_name
+        except AttributeError:
+            pass
+        else:
+            raise AssertionError("no AttributeError")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
 
 
 def test_profile_command_prints_the_top_ops_and_the_prediction(

@@ -6,15 +6,15 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from ..memory import parse_budget
-from ..passes import PASS_NAMES
+from .names import PASS_NAMES
 from .progress import stage
+
+if TYPE_CHECKING:  # imported where used: building the parsers (--help) imports no torch
+    import torch
+    from torch import nn
 
 MODEL_HELP = "package.module:factory, path/to/file.py:Name, or model.pt2"
 INPUT_HELP = ("an example input, e.g. 1x3x224x224 or input_ids=1x128:int64; repeat for several "
@@ -78,12 +78,16 @@ def check_threads(threads: int | None) -> int | None:
 
 def set_threads(threads: int | None) -> None:
     """``--threads``: PyTorch's thread count (None: leave it)."""
+    import torch
+
     if check_threads(threads) is not None:
         torch.set_num_threads(threads)
 
 
 def parse_size(option: str, text: str) -> int:
     """``--memory 16GiB`` -> bytes, through the library's one size parser."""
+    from ..memory import parse_budget
+
     try:
         size = parse_budget(text)
     except ConfigError as exc:
@@ -96,6 +100,8 @@ def parse_budget_option(text: str) -> int | float | str:
     """``--memory-budget``: bytes (``8000000000``), a fraction of device memory (``0.5``) or a
     size (``8GiB``), checked now with the library's parser and passed on as the library
     takes it."""
+    from ..memory import parse_budget
+
     value: int | float | str = text
     for kind in (int, float):
         try:
@@ -141,6 +147,8 @@ def named_dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
                          dims: Sequence[str]) -> Any:
     """A ``torch.export`` ``dynamic_shapes`` that leaves ``batch`` and/or ``sequence``
     symbolic (the same rule as ``export_onnx``'s ``dynamic=``)."""
+    import torch
+
     from ..capture.graph import dynamic_shapes_for
     from ..errors import InputError
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from ..export.onnx_writer import EXPORTERS
 from .common import (
     add_dynamic_argument,
     add_model_arguments,
     check_output,
     load_workload,
 )
+from .names import EXPORTERS
 from .progress import output, stage
 
 

@@ -9,15 +9,15 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from ..export.onnx_writer import weight_bytes
-from ..passes.precision import PRECISIONS
 from .common import add_common_arguments, set_threads
+from .names import PRECISIONS
 from .progress import output, stage
+
+if TYPE_CHECKING:  # imported where used: building the parsers (--help) imports no torch
+    import torch
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -60,6 +60,8 @@ class _FirstToken:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.at is None:
+            import torch
+
             if scores.is_cuda:
                 torch.cuda.synchronize(scores.device)
             self.at = time.perf_counter()
@@ -91,7 +93,10 @@ def time_generation(runners: dict[str, Callable[..., Any]], ids: torch.Tensor, n
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from ..api import optimize
+    from ..export.onnx_writer import weight_bytes
     from .loading import load_model
 
     if min(args.prompt_len, args.new, args.batch, args.rounds) < 1:

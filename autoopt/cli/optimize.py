@@ -6,7 +6,6 @@ import argparse
 
 from ..backends import BACKENDS
 from ..errors import ConfigError
-from ..passes.precision import PRECISIONS
 from .common import (
     add_disable_argument,
     add_dynamic_argument,
@@ -17,6 +16,7 @@ from .common import (
     named_dynamic_shapes,
     parse_budget_option,
 )
+from .names import PRECISIONS
 from .progress import output, stage
 
 

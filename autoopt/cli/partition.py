@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-from torch.utils import _pytree as pytree
-
 from ..errors import ConfigError, require
 from .common import add_model_arguments, check_output, load_workload, parse_size
 from .progress import output, stage
@@ -28,6 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+    from torch.utils import _pytree as pytree
+
     from ..capture.graph import export_graph
     from ..cost_model import CostModel
     from ..parallel.planning import device_specs, measured_device_specs, plan_stages

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-from torch.utils import _pytree as pytree
-
 from ..errors import InputError
 from .common import add_disable_argument, check_output, disabled, load_workload
 from .diagnose import add_workload_arguments
@@ -24,6 +21,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+    from torch.utils import _pytree as pytree
+
     from ..diagnose.collect import collect
     from ..diagnose.render import write_report
     from ..diagnose.workload import console_progress

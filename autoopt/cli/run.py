@@ -6,12 +6,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import TYPE_CHECKING
 
-import torch
-
-from ..export.session import OnnxSession
 from .common import add_common_arguments, check_threads
 from .progress import output, stage
+
+if TYPE_CHECKING:  # imported where used: building the parsers (--help) imports no torch
+    import torch
+
+    from ..export.session import OnnxSession
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,6 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from ..export.session import onnx_session
 
     threads = check_threads(args.threads)
@@ -50,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _bench(session: OnnxSession, feeds: dict[str, torch.Tensor], runs: int,
            device: torch.device) -> None:
+    import torch
+
     for _ in range(min(runs, 3)):  # warm-up: first runs allocate and tune
         session.run(feeds)
     times = []
@@ -70,6 +77,8 @@ def _bench(session: OnnxSession, feeds: dict[str, torch.Tensor], runs: int,
 def _feeds(session: OnnxSession, specs: list[str], int_high: int) -> dict[str, torch.Tensor]:
     """``--input`` specs -> tensors named after the model's inputs; a spec's dtype defaults
     to the model's input type and unnamed specs fill the inputs in order."""
+    import torch
+
     from ..errors import InputError
     from .loading import parse_input
 
