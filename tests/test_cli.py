@@ -239,6 +239,42 @@ def test_help_and_version_import_no_torch(argv: list[str]) -> None:
     assert elapsed < 5, elapsed
 
 
+def test_the_command_ends_when_its_output_is_written(tmp_path: Path) -> None:
+    """The shell got its prompt back 5-25 s after the result: tearing down torch's thousands
+    of modules at exit. A module whose teardown takes 20 s stands for them here; the program
+    ends once its output is written and flushed, without waiting for it."""
+    source = tmp_path / "slow_exit.py"
+    source.write_text(textwrap.dedent("""
+        import time
+        from torch import nn
+
+        class _SlowTeardown:
+            def __del__(self):
+                time.sleep(20)
+
+        sentinel = _SlowTeardown()
+
+        def Net():
+            return nn.Linear(4, 3)
+    """))
+    saved = tmp_path / "net.pt2"
+    env = {**os.environ, "AUTOOPT_BACKENDS": "aten"}
+    process = subprocess.Popen([sys.executable, "-m", "autoopt", "optimize", f"{source}:Net",
+                                "--input", "2x4", "--save", str(saved)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=env)
+    assert process.stdout is not None
+    out, last_line = "", time.perf_counter()
+    for line in process.stdout:  # each line as it comes
+        out += line
+        last_line = time.perf_counter()
+    process.wait(timeout=120)
+    assert time.perf_counter() - last_line < 10  # not the 20 s teardown
+    assert process.returncode == 0, process.stderr.read() if process.stderr else ""
+    assert "autoopt report" in out and out.endswith(f"saved {saved}\n")  # all of it, flushed
+    assert torch.export.load(str(saved)).module()(torch.randn(2, 4)).shape == (2, 3)
+
+
 def test_the_parsers_lists_are_the_librarys() -> None:
     """The CLI keeps its own copies of these names so that --help imports no torch."""
     from autoopt.cli import names

@@ -5,7 +5,10 @@ names), ``progress`` what a command shows while it works."""
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
 import sys
+import threading
 from collections.abc import Sequence
 
 from ..errors import AutoOptError
@@ -41,7 +44,38 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one ``autoopt`` command; 0 on success, 2 for a usage or input error (the message
-    on stderr)."""
+    on stderr).
+
+    Without ``argv`` this is the program (the console script, ``python -m autoopt``): it reads
+    ``sys.argv`` and ends the process when the command is done, see ``_exit``."""
+    code = _run(argv)
+    if argv is None:
+        _exit(code)
+    return code
+
+
+def _exit(code: int) -> None:
+    """End the process as the interpreter would, less the module teardown.
+
+    With torch, Inductor and ONNX Runtime loaded, tearing down the interpreter's thousands of
+    modules kept the shell waiting 2-10 s after the result was printed. Everything the command
+    writes is written and closed when it returns; what exit still does, done here: signal and
+    join the worker threads (thread pools' shutdown), run the atexit handlers (worker process
+    pools, logging's flush), flush the streams. Then ``os._exit``: nothing is left to tear
+    down that anyone would see."""
+    shutdown = getattr(threading, "_shutdown", None)  # what Py_Finalize calls first
+    if shutdown is not None:
+        shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (| head): nothing more can be shown
+            code = code or 1
+    os._exit(code)
+
+
+def _run(argv: Sequence[str] | None) -> int:
     args = parser().parse_args(argv)
     with shown(args.command, args.verbose, status_line=args.command not in _OWN_PROGRESS):
         try:
