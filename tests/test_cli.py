@@ -201,6 +201,58 @@ def test_optimize_dynamic_save_keeps_the_dynamic_dims(tmp_path: Path,
     assert program.module()(x).shape == (5, 4)
 
 
+def test_dynamic_batch_takes_an_example_batch_of_1(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's ``--input input_ids=1x128:int64 --dynamic batch --save net.pt2`` failed:
+    export fixes a size of 1. The example is drawn with a batch of 2, said so, and the saved
+    program takes a batch of 1 and of 3."""
+    source = tmp_path / "my_model.py"
+    source.write_text(textwrap.dedent("""
+        import torch
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = torch.nn.Embedding(100, 8)
+                self.fc = torch.nn.Linear(8, 4)
+
+            def forward(self, input_ids):
+                return self.fc(self.embed(input_ids)).mean(1)
+    """))
+    saved = tmp_path / "net.pt2"
+    assert main(["optimize", f"{source}:Net", "--input", "input_ids=1x16:int64", "--dynamic",
+                 "batch", "--save", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert "--input input_ids=1x16:int64: captured at 2x16:int64" in out
+    assert "dynamic dimensions kept" in out
+    program = torch.export.load(str(saved)).module()
+    for batch in (1, 3):
+        assert program(input_ids=torch.randint(0, 100, (batch, 16))).shape == (batch, 4)
+
+
+def test_dynamic_widens_only_the_dimensions_it_names() -> None:
+    from autoopt.cli.loading import widened_for_dynamic
+
+    specs = ["ids=1x1:int64", "1x1", "mask=1x1:bool", "3x5"]
+    assert widened_for_dynamic(specs, ("sequence",), "float32")[0] == [
+        "ids=1x2:int64", "1x1", "mask=1x2:bool", "3x5"]  # sequence: integer inputs' dim 1
+    assert widened_for_dynamic(specs, ("batch",), "float32")[0] == [
+        "ids=2x1:int64", "2x1", "mask=2x1:bool", "3x5"]
+    assert widened_for_dynamic(specs, (), "float32") == (specs, [])
+    assert widened_for_dynamic(["1x7"], ("sequence",), "int64")[0] == ["1x7"]  # a float input has no sequence
+
+
+@pytest.mark.parametrize("command", ["optimize", "diagnose", "report"])
+def test_train_and_training_are_one_option_everywhere(command: str) -> None:
+    from autoopt.cli import parser
+
+    extra = ["-o", "r.html"] if command == "report" else []
+    for flag in ("--train", "--training"):
+        args = parser().parse_args([command, "torch.nn:Identity", "--input", "2x3", flag,
+                                    *extra])
+        assert (args.train if command == "optimize" else args.training) is True
+
+
 def test_unreadable_pt2_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.pt2"
     bad.write_bytes(b"not a zip archive")
@@ -479,9 +531,9 @@ def test_optimize_and_export_take_the_same_dynamic_values(
     assert seen["dynamic_shapes"] == {"input": None}  # float inputs have no sequence dimension
     assert main(["optimize", "torch.nn:Identity", "--input", "2x5", "--dynamic"]) == 0
     assert seen["dynamic"] is True and seen["dynamic_shapes"] is None
-    assert main(["optimize", "torch.nn:Identity", "--input", "1x5", "--dynamic", "batch"]) == 2
-    assert "--dynamic batch is dimension 0 of an example input of shape (1, 5)" in \
-        capsys.readouterr().err
+    # A batch of 1 would be fixed by export: the example is drawn with 2 (said on stdout).
+    assert main(["optimize", "torch.nn:Identity", "--input", "1x5", "--dynamic", "batch"]) == 0
+    assert seen["args"][0].shape == (2, 5) and "captured at 2x5" in capsys.readouterr().out
 
     exported: dict[str, Any] = {}
     monkeypatch.setattr("autoopt.export.onnx.export_onnx",

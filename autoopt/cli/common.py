@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from .names import PASS_NAMES
-from .progress import stage
+from .progress import output, stage
 
 if TYPE_CHECKING:  # imported where used: building the parsers (--help) imports no torch
     import torch
@@ -54,18 +54,23 @@ def add_common_arguments(parser: argparse.ArgumentParser,
 
 
 def load_workload(args: argparse.Namespace, *, train: bool | None = None,
+                  dynamic: Sequence[str] = (),
                   ) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
     """The preamble of every command that takes a MODEL: threads, the model (in train mode
     when ``train`` is True, eval when False, as it comes when None) and random inputs from
-    the ``--input`` specs."""
-    from .loading import load_model, model_inputs
+    the ``--input`` specs; a size of 1 in a ``dynamic`` dimension (``batch``, ``sequence``)
+    is drawn as 2, said on stdout, since export would fix it."""
+    from .loading import load_model, model_inputs, widened_for_dynamic
 
     set_threads(args.threads)
     stage(f"loading {args.model}")
     model = load_model(args.model)
     if train is not None:  # a program's ops are as exported; its flags choose the capture
         model.train(train)
-    inputs, kwargs = model_inputs(args.input, args.dtype, args.int_high)
+    specs, notes = widened_for_dynamic(list(args.input), tuple(dynamic), args.dtype)
+    for note in notes:
+        output(note)
+    inputs, kwargs = model_inputs(specs, args.dtype, args.int_high)
     return model, inputs, kwargs
 
 

@@ -14,7 +14,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """The options ``diagnose`` and ``report`` share."""
     add_model_arguments(parser, inputs_required=False, device=None,
                         device_help="cpu, cuda, cuda:N (default: the model's device)")
-    parser.add_argument("--training", action="store_true", help="forward and backward steps")
+    parser.add_argument("--training", "--train", dest="training", action="store_true",
+                        help="forward and backward steps")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
 
 

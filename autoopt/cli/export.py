@@ -34,9 +34,9 @@ def run(args: argparse.Namespace) -> int:
     from ..export.onnx_io import DYNAMIC_DIMS
 
     check_output(args.output, "-o")
-    model, inputs, kwargs = load_workload(args)
     # ONNX files name their dynamic dimensions, so "all" is every dimension export_onnx names.
     dims = DYNAMIC_DIMS if "all" in args.dynamic else tuple(dict.fromkeys(args.dynamic))
+    model, inputs, kwargs = load_workload(args, dynamic=dims)
     stage("optimizing, exporting to ONNX, checking under ONNX Runtime")
     report = export_onnx(model, inputs, args.output, example_kwargs=kwargs, dynamic=dims,
                          opset=args.opset, verify=not args.no_verify, exporter=args.exporter)

@@ -135,6 +135,38 @@ def check_unique_names(specs: list[str]) -> None:
             seen[name] = spec
 
 
+def widened_for_dynamic(specs: list[str], dims: tuple[str, ...], default_dtype: str,
+                        ) -> tuple[list[str], list[str]]:
+    """``--input`` specs with each size of 1 that ``--dynamic`` makes symbolic drawn as 2, and
+    a note per change.
+
+    torch.export fixes a dimension whose example size is 0 or 1, so ``--input
+    input_ids=1x128:int64 --dynamic batch`` could not keep the batch symbolic. The inputs are
+    random, so an example batch of 2 costs nothing and the graph then takes any batch, 1
+    included. ``dims`` are ``batch`` (dim 0) and ``sequence`` (dim 1 of an integer or bool
+    input with two or more dimensions), the rule of ``--dynamic``.
+    """
+    out, notes = [], []
+    for spec in specs:
+        name, body = spec.split("=", 1) if "=" in spec else (None, spec)
+        shape, dtype = body.split(":", 1) if ":" in body else (body, default_dtype)
+        sizes = shape.split("x")
+        integer = dtype in _DTYPES and not _DTYPES[dtype].is_floating_point
+        widen = [d for d, dim in ((0, "batch"), (1, "sequence")) if dim in dims
+                 and len(sizes) > d and sizes[d] == "1" and (dim == "batch" or integer)]
+        if not widen or not all(size.isdigit() for size in sizes):  # a bad spec: its error
+            out.append(spec)
+            continue
+        for d in widen:
+            sizes[d] = "2"
+        new = "x".join(sizes) + (body[len(shape):] if ":" in body else "")
+        out.append(f"{name}={new}" if name is not None else new)
+        which = " and ".join("batch" if d == 0 else "sequence" for d in widen)
+        notes.append(f"--input {spec}: captured at {new}, since export fixes a dimension of "
+                     f"size 1; the --dynamic {which} dimension takes any size, 1 included")
+    return out, notes
+
+
 def model_inputs(specs: list[str], default_dtype: str, int_high: int,
                  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     check_unique_names(specs)

@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     opt = sub.add_parser("optimize", help="capture, optimize and verify a model; print a report")
     add_model_arguments(opt, device=None,
                         device_help="cpu, cuda, cuda:N (default: the model's device)")
-    opt.add_argument("--train", action="store_true",
+    opt.add_argument("--train", "--training", dest="train", action="store_true",
                      help="keep the model in train mode and optimize for training (default: "
                           "eval, inference)")
     add_dynamic_argument(opt)
@@ -43,7 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                           f"{','.join(BACKENDS)}, or $AUTOOPT_BACKENDS)")
     opt.add_argument("--no-verify", action="store_true", help="skip checking against eager")
     opt.add_argument("--save", metavar="PATH.pt2",
-                     help="save the optimized graph as a torch.export program")
+                     help="save the optimized graph as a torch.export program; load it with "
+                          "torch.export.load(PATH).module(), which takes named --input's as "
+                          "keywords (module(input_ids=ids))")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,8 +64,9 @@ def run(args: argparse.Namespace) -> int:
                           f"{args.save!r}. For an ONNX file run 'autoopt export' with the "
                           f"same model, or name the file .pt2.")
     check_output(args.save, "--save")
-    model, inputs, kwargs = load_workload(args, train=args.train)
     dims = set(args.dynamic)
+    model, inputs, kwargs = load_workload(args, train=args.train,
+                                          dynamic=() if "all" in dims else tuple(dims))
     shapes = (named_dynamic_shapes(model, inputs, kwargs, sorted(dims))
               if dims and "all" not in dims else None)
     stage("optimizing: capture, passes, verification")
