@@ -9,6 +9,8 @@ atomically; a corrupt file is ignored with a warning and rebuilt.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.metadata
 import json
 import logging
 import os
@@ -26,7 +28,18 @@ _FORMAT = 1
 
 
 def library_versions() -> str:
-    return f"torch={torch.__version__}"
+    """The versions a measurement holds for: torch's kernels and autoopt's own (its lowerings
+    and how it measures change between releases), read from the installed metadata (this
+    layer imports nothing of the ones above it)."""
+    return f"torch={torch.__version__}|autoopt={_autoopt_version()}"
+
+
+@functools.cache
+def _autoopt_version() -> str:
+    try:
+        return importlib.metadata.version("autoopt")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "source"
 
 
 def default_cache_dir() -> Path:

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import statistics
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -36,6 +37,16 @@ from .isolation import preserved, unwritten_inputs, written_arguments
 from .timing import median_seconds, timed
 
 log = logging.getLogger(__name__)
+
+# A record's entries that are not a candidate's seconds start with this: ``_FAILED`` holds the
+# candidates that failed when it was made, with why.
+_NOTE = "#"
+_FAILED = "#failed"
+
+
+def _clip(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 # Ops that write to their inputs run on clones, rotated so each repeat starts from fresh data.
 _MUTATED_COPIES = 2
@@ -339,16 +350,40 @@ class CostModel:
 
     def recorded(self, what: str, names: Iterable[str]) -> dict[str, float] | None:
         """The seconds ``fastest`` measured here for a choice among ``names`` (those of them
-        that could be measured), if it did: a caller can then build the winner alone."""
-        stored = self.cache.get(self._fastest_key(what, names))
-        if not stored or not set(stored) <= set(names):
-            return None
-        return {name: float(s) for name, s in stored.items()}
+        that could be measured), if it did: a caller can then build the winner alone.
 
-    def record(self, what: str, names: Iterable[str], seconds: Mapping[str, float]) -> None:
+        A record that does not hold seconds (a damaged or hand-edited cache file: a string, a
+        negative or infinite time) is ignored with a warning, and the choice measured again."""
+        key = self._fastest_key(what, names)
+        stored = self.cache.get(key)
+        if not stored:
+            return None
+        seconds = {name: s for name, s in stored.items() if not name.startswith(_NOTE)}
+        if not set(seconds) <= set(names):
+            return None
+        if not all(type(s) in (int, float) and math.isfinite(s) and s >= 0
+                   for s in seconds.values()):
+            warnings.warn(f"autoopt: the cost cache's record of {what!r} holds "
+                          f"{_clip(seconds)} where seconds belong; ignoring it, measuring again",
+                          stacklevel=2)
+            return None
+        return {name: float(s) for name, s in seconds.items()}
+
+    def recorded_failures(self, what: str, names: Iterable[str]) -> dict[str, str]:
+        """The candidates of a choice ``record`` stored that failed then, with why."""
+        stored = self.cache.get(self._fastest_key(what, names)) or {}
+        failed = stored.get(_FAILED)
+        return {str(k): str(v) for k, v in failed.items()} if isinstance(failed, dict) else {}
+
+    def record(self, what: str, names: Iterable[str], seconds: Mapping[str, float],
+               failed: Mapping[str, str] | None = None) -> None:
         """Store a choice among ``names`` measured in several sessions (each candidate against
-        one yardstick, its seconds put on one scale), for ``recorded`` to find."""
-        self.cache.put(self._fastest_key(what, names), {k: float(v) for k, v in seconds.items()})
+        one yardstick, its seconds put on one scale), for ``recorded`` to find; ``failed``:
+        candidates that could not be built or measured, with why (``recorded_failures``)."""
+        entry: dict[str, Any] = {k: float(v) for k, v in seconds.items()}
+        if failed:
+            entry[_FAILED] = dict(failed)
+        self.cache.put(self._fastest_key(what, names), entry)
 
     def _fastest_key(self, what: str, names: Iterable[str]) -> str:
         return f"fastest|{what}|{sorted(names)}|{self._context()}"

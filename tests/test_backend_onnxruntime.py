@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import autoopt
+from autoopt.backends import onnx_graph
 from autoopt.backends import onnxruntime as ort
 from autoopt.errors import InputError
 from autoopt.export.session import OnnxSession
@@ -262,9 +263,9 @@ def test_exported_and_cached_sessions_take_plain_ort_settings(
         return session
 
     exported: list[Any] = []
-    write = ort.write_onnx
+    write = onnx_graph.write_onnx
     monkeypatch.setattr(ort, "onnx_session", from_cache)
-    monkeypatch.setattr(ort, "write_onnx", lambda *a: exported.append(a) or write(*a))
+    monkeypatch.setattr(onnx_graph, "write_onnx", lambda *a: exported.append(a) or write(*a))
     model = Net().eval()
     x = torch.randn(2, 3, 8, 8)
     optimized(model, (x,))

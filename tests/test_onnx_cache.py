@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import autoopt
-from autoopt.backends import onnx_cache
+from autoopt.backends import onnx_cache, onnx_graph
 from autoopt.backends import onnxruntime as ort
 
 onnx = pytest.importorskip("onnx")
@@ -51,13 +51,13 @@ def exports(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Path]:
     """The paths the ONNX Runtime backend exported to, in order; a cache of this test's own."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     seen: list[Path] = []
-    write = ort.write_onnx
+    write = onnx_graph.write_onnx
 
     def counted(gm: Any, args: Any, kwargs: Any, path: Path, *rest: Any) -> Any:
         seen.append(path)
         return write(gm, args, kwargs, path, *rest)
 
-    monkeypatch.setattr(ort, "write_onnx", counted)
+    monkeypatch.setattr(onnx_graph, "write_onnx", counted)
     return seen
 
 
@@ -223,7 +223,7 @@ def test_the_entry_compares_every_block_of_every_weight(
     model = nn.Sequential(nn.Linear(16, 24), nn.GELU(), nn.Linear(24, 4)).eval()
     gm = optimized(model, x).specializations[0].graph  # the graph ONNX Runtime runs
     path = tmp_path / "graph.onnx"
-    ort.write_onnx(gm, (x,), {}, path, ["x"], ["y"], None, (), None, True, "auto")
+    onnx_graph.write_onnx(gm, (x,), {}, path, ["x"], ["y"], None, (), None, True, "auto")
     assert onnx_cache.store("check", path, gm) == ""  # the file is the module's weights
     for name, tensor in onnx_cache.tensors_of(gm).items():
         if tensor.dim() == 2:

@@ -1,4 +1,5 @@
-"""What executes an optimized graph: ``aten``, ``inductor`` or ``onnxruntime``, by measurement.
+"""What executes an optimized graph: ``aten``, ``hybrid``, ``inductor``, ``onnxruntime`` or
+``openvino``, by measurement.
 
 After the graph passes, each optimized graph (each specialization's whole graph, each Dynamo
 subgraph) is lowered by every candidate backend that can take it, each lowering is verified
@@ -12,7 +13,9 @@ against eager like a pass, and the fastest correct one runs the calls:
   lowerings (C++/OpenMP with oneDNN weight prepacking on a CPU, Triton on a GPU), through
   AOTAutograd for a graph with gradients;
 - ``onnxruntime``: inference graphs exported to ONNX and run in-process by ONNX Runtime, torch
-  tensors in and out.
+  tensors in and out;
+- ``openvino``: the same ONNX file compiled by OpenVINO for the CPU (f32 unless ``precision=``
+  asks otherwise), called in-process.
 
 ``choose_backend`` (``choice``) does the measuring through the cost model, which caches the
 result on disk. Nothing heavy is imported here: ``import autoopt`` stays fast.
@@ -20,7 +23,7 @@ result on disk. Nothing heavy is imported here: ``import autoopt`` stays fast.
 
 from __future__ import annotations
 
-BACKENDS: tuple[str, ...] = ("aten", "hybrid", "inductor", "onnxruntime")
+BACKENDS: tuple[str, ...] = ("aten", "hybrid", "inductor", "onnxruntime", "openvino")
 # A comma-separated list of backends: the default candidates when the config names none (a
 # CI run or a serving fleet pins them without touching code).
 BACKENDS_VARIABLE = "AUTOOPT_BACKENDS"

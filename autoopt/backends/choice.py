@@ -165,6 +165,15 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
         return run
 
     stored = cost_model.recorded(what, candidates)
+    retried = _unmeasured(lowerings, stored or {})
+    if stored and retried:
+        # A candidate that failed (to build, verify or time) when the record was made: a
+        # failure may be transient (memory, a compiler's temporary error), so the choice is
+        # measured again rather than made for good without it.
+        failed = cost_model.recorded_failures(what, candidates)
+        log.info("backend: measuring the %s again: %s", graph, "; ".join(
+            f"{name} was not measured ({failed.get(name, 'failed')})" for name in retried))
+        stored = None
     if stored:
         eager = cost_model.recorded(f"{what}|eager", [_EAGER]) or {}
         first = decided(candidates, stored)
@@ -271,7 +280,7 @@ def _against_eager(lowerings: Sequence[Lowering], build: _Build,
                if eager_s and ratio != float("inf")}
     if len(seconds) > 1:
         cost_model.record(f"{what}|eager", [_EAGER], {_EAGER: eager_s[0]})
-        cost_model.record(what, requested, seconds)
+        cost_model.record(what, requested, seconds, _failures(lowerings, seconds, skipped))
     return ((best[0].name, best[1]) if best is not None else None, seconds,
             eager_s[0] if seconds else None)
 
@@ -313,7 +322,22 @@ def _against_best(lowerings: Sequence[Lowering], build: _Build,
         # The slower of the two (and its timer): its weights go before the next is built.
         del run, timed
         memory_profile.release_free_memory()
+    if len(seconds) > 1:  # every pair's times, where the cache holds only the last pair's
+        cost_model.record(what, requested, seconds, _failures(lowerings, seconds, skipped))
     return best, seconds
+
+
+def _unmeasured(lowerings: Sequence[Lowering], stored: dict[str, float]) -> list[str]:
+    """The candidates a record holds no time for, other than those it shows were not worth
+    building (``dominated_by`` a candidate it measured)."""
+    return [lw.name for lw in lowerings if lw.name not in stored
+            and not (lw.dominated_by is not None and lw.dominated_by[0] in stored)]
+
+
+def _failures(lowerings: Sequence[Lowering], seconds: dict[str, float],
+              skipped: dict[str, str]) -> dict[str, str]:
+    """Why each candidate that was tried holds no time in ``seconds``."""
+    return {name: skipped.get(name, "failed") for name in _unmeasured(lowerings, seconds)}
 
 
 def _regions(lowering: Lowering) -> str:

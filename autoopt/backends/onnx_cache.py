@@ -77,11 +77,57 @@ def key(gm: GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
             # constants of its own (a permutation became GatherND's indices), so another
             # model's indices served this one (3.07 off).
             digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+    for name, t in sorted(_folded_from(gm).items()):
+        # Weights the graph computes with before any input (``w.pow(2).sum()``): the exporter
+        # folds such a computation into a constant of its own, which ``store`` cannot tell
+        # from a literal of the code when it is a number, so the entry holds for these
+        # values only (another model of the class was served this one's: 0.29 off).
+        digest.update(f"{name}=".encode())
+        digest.update(memoryview(t.detach().cpu().contiguous().reshape(-1)
+                                 .view(torch.uint8).numpy()))
     for leaf in pytree.tree_leaves((args, kwargs)):
         digest.update((f"{tuple(leaf.shape)}:{leaf.dtype};" if isinstance(leaf, torch.Tensor)
                        else f"{type(leaf).__name__}={leaf!r};").encode())
     digest.update(_versions().encode())
     return digest.hexdigest()[:40]
+
+
+def _folded_from(gm: GraphModule) -> dict[str, torch.Tensor]:
+    """The tensors of ``gm`` that an op reads with nothing but tensors of ``gm`` (no input),
+    by name: what the exporter may fold into constants computed from their values. Where the
+    pass pipeline ran, ``constant_fold`` left none but views (a weight's transpose, which
+    ``store`` recognizes), so this is empty and costs nothing."""
+    tensors = tensors_of(gm)
+    constant: set[torch.fx.Node] = set()
+    found: dict[str, torch.Tensor] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            constant.add(node)
+        elif node.op == "call_function" and all(
+                n in constant for n in node.all_input_nodes) and node.all_input_nodes:
+            constant.add(node)
+            if _is_view(node):
+                continue
+            stack = list(node.all_input_nodes)
+            while stack:
+                source = stack.pop()
+                if source.op == "get_attr" and str(source.target) in tensors:
+                    found[str(source.target)] = tensors[str(source.target)]
+                else:
+                    stack.extend(source.all_input_nodes)
+    return {name: t for name, t in found.items() if t.device.type != "meta"}
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    """An op whose result is its input's values rearranged: the exporter writes the weight
+    itself (or its transpose, which ``store`` recognizes), never a number from it."""
+    target = getattr(node.target, "overloadpacket", node.target)
+    return getattr(target, "__name__", "") in _VIEWS
+
+
+_VIEWS = frozenset({"t", "transpose", "permute", "view", "reshape", "_unsafe_view", "expand",
+                    "unsqueeze", "squeeze", "contiguous", "clone", "detach", "alias",
+                    "numpy_T", "flatten", "to", "_to_copy"})
 
 
 def tensors_of(gm: GraphModule) -> dict[str, torch.Tensor]:

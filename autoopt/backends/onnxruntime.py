@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,10 +23,9 @@ from .. import memory_profile
 from ..capture import objects
 from ..errors import InputError
 from ..export.onnx_io import flat_tensors, in_forward_order, name_inputs, name_outputs
-from ..export.onnx_writer import weight_bytes, write_onnx
-from ..export.program import symbolic_dims
+from ..export.onnx_writer import weight_bytes
 from ..export.session import OnnxSession, onnx_session
-from . import onnx_cache
+from . import onnx_graph
 
 log = logging.getLogger(__name__)
 
@@ -112,47 +110,13 @@ def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str
     input_names = name_inputs(forward, args, kwargs)
     output_names = name_outputs(expected)
     threads = torch.get_num_threads() if device.type == "cpu" else None
-    cacheable = device.type == "cpu"
-    # A graph captured with ``dynamic=``: its symbolic sizes stay symbolic in the ONNX file,
-    # which then serves every size the graph does.
-    shapes = symbolic_dims(gm, args, kwargs)
-    entry = onnx_cache.key(gm, args, kwargs, input_names, output_names, device, shapes)
-    # On Windows a file ONNX Runtime maps cannot be deleted while its session lives.
-    with tempfile.TemporaryDirectory(prefix="autoopt-ort-",
-                                     ignore_cleanup_errors=True) as folder:
-        path = Path(folder) / "graph.onnx"
-        # The graph exported by an earlier optimize of this graph, given this run's weights.
-        if cacheable and onnx_cache.materialize(entry, gm, path):
-            try:
-                with memory_profile.stage("onnxruntime session"):
-                    session = onnx_session(path, device, threads=threads)
-            except Exception as exc:  # noqa: BLE001 - a damaged entry costs an export
-                log.info("onnxruntime: the cached graph %s does not open (%s); exporting "
-                         "again", entry, exc)
-            else:
-                log.info("onnxruntime: the exported graph from the cache (%s), this run's "
-                         "weights", entry)
-                return OrtGraph(session, input_names, expected, list(kwargs),
-                                lookups(gm, input_names))
-        # The weights go to a file beside the graph, always: written into the protobuf they
-        # were serialized in memory and parsed back by the session, each a copy of them
-        # (a 106 M-parameter decoder: this candidate's growth +1.28 → +0.57 GiB, 6.4 → 4.7 s).
-        with memory_profile.stage("onnx export"), objects.scoped_for(expected):
-            # (scoped_for: a DynamicCache output, see capture.objects)
-            write_onnx(gm, args, kwargs, path, input_names, output_names, shapes, (), None,
-                       True, "auto")
-        if cacheable:
-            try:
-                with memory_profile.stage("onnx cache entry"):
-                    why = onnx_cache.store(entry, path, gm)
-            except Exception as exc:  # noqa: BLE001 - an unwritable cache costs a re-export
-                why = f"{type(exc).__name__}: {exc}"
-            if why:
-                log.info("onnxruntime: the exported graph is not cached: %s", why)
-        # ONNX Runtime maps the weights' file and makes its own copies of what it prepacks;
-        # the folder can go once the session is open.
+
+    def open_file(path: Path) -> OnnxSession:
         with memory_profile.stage("onnxruntime session"):
-            session = onnx_session(path, device, threads=threads)
+            return onnx_session(path, device, threads=threads)
+
+    session = onnx_graph.opened(gm, args, kwargs, input_names, output_names, device, expected,
+                                open_file, "onnxruntime")
     return OrtGraph(session, input_names, expected, list(kwargs), lookups(gm, input_names))
 
 

@@ -1,8 +1,9 @@
 """The backend for one captured whole graph (``torch.export`` or ``symbolic_trace``).
 
 ``lower_whole_graph`` lists the candidates that apply to the graph (``aten`` is the pass
-driver's verified result; Inductor and ONNX Runtime lower the graph from before autoopt's own
-lowerings) with why the others do not, and lets ``choose_backend`` verify and measure them.
+driver's verified result; Inductor, ONNX Runtime and OpenVINO lower the graph from before
+autoopt's own lowerings) with why the others do not, and lets ``choose_backend`` verify and
+measure them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ..passes.graph import release_packed, restore_packed
 from ..report import BackendChoice
 from ..state import preserved
 from ..verify import VerifyResult, clone_inputs
-from . import hybrid, inductor
+from . import hybrid, inductor, openvino
 from . import onnxruntime as ort
 from .choice import Lowering, choose_backend
 
@@ -122,6 +123,15 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
             else:
                 lowerings.append(Lowering(name, lambda: warm(_onnxruntime(
                     source, module, args, kwargs, device)), memory=ort.memory_estimate(source)))
+        elif name == "openvino":
+            why = openvino.unsupported(source, device, gradients, adapt is not None,
+                                       bool(written_placeholders(source)))
+            if why:
+                skipped[name] = why
+            else:
+                lowerings.append(Lowering(name, lambda: warm(_openvino(
+                    source, module, args, kwargs, device)),
+                    memory=openvino.memory_estimate(source)))
 
     writes_inputs = bool(written_placeholders(gm))
 
@@ -196,20 +206,33 @@ class _Rerun:
         self._saved = [(x, value, x._version) for x, value, _ in self._saved]
 
 
-def _onnxruntime(source: GraphModule, module: nn.Module, args: tuple[Any, ...],
-                 kwargs: dict[str, Any], device: torch.device) -> ort.OrtGraph:
+def _expected(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The model's output on the example inputs, whose structure an ONNX file's outputs are
+    put back into."""
     a, k = clone_inputs(args, kwargs)
     with torch.no_grad(), preserved(module):
-        expected = module(*a, **k)
-    return ort.lower(source, module.forward, args, kwargs, expected, device)
+        return module(*a, **k)
+
+
+def _onnxruntime(source: GraphModule, module: nn.Module, args: tuple[Any, ...],
+                 kwargs: dict[str, Any], device: torch.device) -> ort.OrtGraph:
+    return ort.lower(source, module.forward, args, kwargs, _expected(module, args, kwargs),
+                     device)
+
+
+def _openvino(source: GraphModule, module: nn.Module, args: tuple[Any, ...],
+              kwargs: dict[str, Any], device: torch.device, precision: str = "fp32",
+              ) -> ort.OrtGraph:
+    return openvino.lower(source, module.forward, args, kwargs,
+                          _expected(module, args, kwargs), device, precision)
 
 
 def identity(gm: GraphModule, source: GraphModule, args: tuple[Any, ...],
              kwargs: dict[str, Any], gradients: bool, dynamic: bool,
              settings: Any = None) -> str:
     """What the measured choice holds for: the graphs' code, the weights' shapes and dtypes,
-    the inputs', the mode, the backends' settings and the ONNX Runtime version (the cost model
-    adds the device, thread count and torch version)."""
+    the inputs', the mode, the backends' settings and the ONNX Runtime and OpenVINO versions
+    (the cost model adds the device, thread count and torch version)."""
     digest = hashlib.sha256()
     for graph in dict.fromkeys((gm, source)):
         digest.update(graph.code.encode())
@@ -221,4 +244,4 @@ def identity(gm: GraphModule, source: GraphModule, args: tuple[Any, ...],
     # v2: a record names the candidates that were built, no longer those skipped up front
     # (a v1 record made while one was skipped would hide it from the choice for good).
     return f"backend|v2|{digest.hexdigest()[:32]}|grad={gradients}|dynamic={dynamic}|" \
-           f"onnxruntime={ort.version()}"
+           f"onnxruntime={ort.version()}|openvino={openvino.version()}"

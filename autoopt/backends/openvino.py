@@ -1,0 +1,171 @@
+"""OpenVINO as a backend: an inference graph read from autoopt's ONNX file, compiled for the CPU.
+
+OpenVINO is what Intel CPU users deploy with (it runs on AMD x86 CPUs too). The graph from
+before autoopt's lowering passes is written by the exporter ``autoopt.export_onnx`` uses (or
+taken from the ONNX cache with this run's weights, see ``onnx_graph``), read by OpenVINO's ONNX
+frontend and compiled for the CPU with torch's thread count, a latency hint and one stream.
+Its calls take the model's own arguments through ``OrtGraph`` (the same binding of a call's
+tensors to the file's inputs as ONNX Runtime's): tensors go in as numpy views, without a copy,
+and come back as tensors of their own.
+
+Precision: OpenVINO's CPU plugin runs in bf16 by default where the CPU has it (AMX, AVX-512
+BF16), which is not the model's function. Without ``precision=`` the inference precision hint
+is ``f32``; under ``precision="bf16"`` a second candidate compiles the fp32 graph with the
+``bf16`` hint (OpenVINO keeps its own accuracy-sensitive ops in f32), verified under the
+precision's tolerance like autoopt's own bf16 graph.
+
+The ONNX frontend rather than ``openvino.convert_model`` on the exported program: the ONNX file
+is cached (a second ``optimize`` reads it back in a tenth of a second, where the PyTorch
+frontend converts again, 2.5 s for a resnet18), it is the file ONNX Runtime runs, so both
+candidates share one export, and its dynamic dimensions are the ones ``export_onnx`` keeps.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from .. import memory_profile
+from ..errors import AutoOptError, InputError
+from ..export.onnx_io import in_forward_order, name_inputs, name_outputs
+from ..export.onnx_writer import weight_bytes
+from . import onnx_graph
+from .onnxruntime import OrtGraph, lookups
+
+log = logging.getLogger(__name__)
+
+# What each precision is called by OpenVINO's inference precision hint.
+HINTS = {"fp32": "f32", "bf16": "bf16"}
+
+# Dtypes numpy can view without a copy (OpenVINO takes numpy arrays): bf16 has no numpy dtype.
+_NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.int64,
+                           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool})
+
+
+class OvSession:
+    """A compiled OpenVINO model with ``OnnxSession``'s interface for ``OrtGraph``: input and
+    output names, and ``run_ordered`` (tensors in the inputs' order -> tensors of their own).
+
+    Each thread gets an infer request of its own: one request serves one call at a time, and
+    an optimized module may be called from several threads.
+    """
+
+    def __init__(self, compiled: Any, precision: str, threads: int,
+                 input_names: Sequence[str]) -> None:
+        self.compiled = compiled
+        self.precision = precision
+        self.threads = threads
+        # A port may carry several tensor names: the one the ONNX file gave the input.
+        self.input_names = [next((n for n in input_names if n in port.get_names()),
+                                 port.get_any_name()) for port in compiled.inputs]
+        self.output_names = [port.get_any_name() for port in compiled.outputs]
+        self._local = threading.local()
+
+    def run_ordered(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        request = getattr(self._local, "request", None)
+        if request is None:
+            request = self._local.request = self.compiled.create_infer_request()
+        try:
+            arrays = [_array(t) for t in tensors]
+            # share_inputs: numpy views of torch's memory, read in place; outputs copied out
+            # of the request's buffers, which its next call overwrites.
+            results = request.infer(arrays, share_inputs=True, share_outputs=False)
+        except AutoOptError:
+            raise
+        except Exception as exc:
+            shapes = [f"{tuple(t.shape)}:{t.dtype}" for t in tensors]
+            raise InputError(f"OpenVINO rejected the inputs ({', '.join(shapes)}): "
+                             f"{' '.join(str(exc).split())[:500]}") from exc
+        return [torch.from_numpy(results[port]) for port in self.compiled.outputs]
+
+
+def _array(t: torch.Tensor) -> Any:
+    if t.dtype not in _NUMPY_DTYPES:
+        raise InputError(f"OpenVINO takes numpy arrays, and {t.dtype} has no numpy dtype")
+    return t.detach().cpu().contiguous().numpy()
+
+
+def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+          expected: Any, device: torch.device, precision: str = "fp32") -> OrtGraph:
+    """``gm`` exported to ONNX (or read from the ONNX cache) and compiled by OpenVINO.
+
+    Args:
+        gm: the graph to export (taking ``(args, kwargs)``).
+        forward: the model's forward, which names the ONNX inputs.
+        expected: the model's output on ``(args, kwargs)``.
+        precision: ``fp32`` or ``bf16``: OpenVINO's inference precision hint.
+    """
+    import openvino as ov
+
+    kwargs = in_forward_order(gm.forward, kwargs)
+    input_names = name_inputs(forward, args, kwargs)
+    output_names = name_outputs(expected)
+    threads = torch.get_num_threads()
+    config = {"INFERENCE_PRECISION_HINT": HINTS[precision],
+              "INFERENCE_NUM_THREADS": threads,
+              "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1}
+
+    def compile_file(path: Any) -> OvSession:
+        core = ov.Core()
+        with memory_profile.stage("openvino compile"):
+            compiled = core.compile_model(core.read_model(str(path)), "CPU", config)
+        return OvSession(compiled, precision, threads, input_names)
+
+    session = onnx_graph.opened(gm, args, kwargs, input_names, output_names, device, expected,
+                                compile_file, "openvino")
+    run = OrtGraph(session, input_names, expected, list(kwargs), lookups(gm, input_names))
+    log.info("openvino: compiled in %s with %d threads", HINTS[precision], threads)
+    return run
+
+
+def unsupported(gm: GraphModule, device: torch.device, gradients: bool, positional: bool,
+                writes_inputs: bool) -> str:
+    """Why OpenVINO cannot take ``gm`` here, or ''."""
+    return (available()
+            or ("inference only (OpenVINO computes no gradients)" if gradients else "")
+            or ("the graph takes the model's inputs positionally (symbolic_trace); ONNX "
+                "export needs a torch.export graph" if positional else "")
+            or ("the graph writes its inputs in place (a KV cache); an OpenVINO model "
+                "returns new values and cannot" if writes_inputs else "")
+            or (f"OpenVINO's CPU plugin only here (the model is on {device.type})"
+                if device.type != "cpu" else "")
+            or _dtypes(gm))
+
+
+def _dtypes(gm: GraphModule) -> str:
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(value, torch.Tensor) \
+                and value.dtype not in _NUMPY_DTYPES:
+            return f"input {node.name!r} is {value.dtype}, which OpenVINO's numpy inputs " \
+                   f"cannot hold"
+    return ""
+
+
+def memory_estimate(gm: GraphModule) -> int:
+    """Bytes that exporting ``gm`` and compiling it may add: OpenVINO's own copy of the
+    weights (repacked for its kernels) and the file's, read while compiling."""
+    return weight_bytes(gm) * 2
+
+
+def available() -> str:
+    """Why OpenVINO cannot run here, or ''."""
+    for package in ("openvino", "onnx", "onnxscript"):
+        try:
+            importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return f"{package} is not installed (pip install {package})"
+    return ""
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("openvino")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
