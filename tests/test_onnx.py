@@ -85,6 +85,25 @@ def test_export_names_dynamic_batch_and_report(tmp_path: Path) -> None:
     _assert_session_matches(path, model, _scorer_inputs(5), {})
 
 
+def test_export_builds_no_runtime_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         ) -> None:
+    """The file comes from the graph before any backend: building and timing an ONNX Runtime
+    session or an Inductor compile to choose one was most of an export's time, for nothing."""
+    built: list[str] = []
+
+    def spy(name: str) -> Any:
+        def lower(*args: Any, **kwargs: Any) -> Any:
+            built.append(name)
+            raise RuntimeError(f"{name} built during export")
+        return lower
+
+    monkeypatch.setattr("autoopt.backends.onnxruntime.lower", spy("onnxruntime"))
+    monkeypatch.setattr("autoopt.backends.inductor.lower", spy("inductor"))
+    report = autoopt.export_onnx(Scorer(), _scorer_inputs(), tmp_path / "m.onnx",
+                                 config={"backends": ("aten", "inductor", "onnxruntime")})
+    assert report.ok and built == []
+
+
 def test_an_optimized_module_exports_the_graph_it_runs(tmp_path: Path) -> None:
     ids, weight = _scorer_inputs()
     fast = autoopt.optimize(Scorer().eval(), (ids, weight))

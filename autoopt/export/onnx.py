@@ -229,7 +229,7 @@ def export_onnx(model_or_optimized: nn.Module, example_inputs: Any, path: str | 
         with eval_mode(model_or_optimized):
             shapes = dynamic_shapes(model_or_optimized.forward, args, kwargs, dims)
             optimized = optimize(model_or_optimized, args, kwargs,
-                                 config=precision_lib.export_config(config, precision),
+                                 config=_file_config(config, precision),
                                  dynamic_shapes=shapes, training=False)
     else:
         raise ModelError(f"export_onnx expects an nn.Module or an OptimizedModule; got "
@@ -303,6 +303,22 @@ _INT8_MESSAGE = (
     "quantization (quantized::linear_dynamic with packed weights), which neither ONNX exporter "
     "translates. Export in fp32 and quantize the file with ONNX Runtime "
     "(onnxruntime.quantization.quantize_dynamic), or export with precision='fp16'.")
+
+
+def _file_config(config: Any, precision: str | None) -> Any:
+    """The optimize config for the graph the file is written from: the user's, with the
+    precision's casts made (``export_config``), and nothing the file does not hold.
+
+    The file comes from the graph before the device-specific lowerings and before any runtime
+    backend (``portable``), so the lowering passes are left out and the one backend is
+    ``aten``: choosing one built and timed an Inductor compile and an ONNX Runtime session,
+    80 s of a tiny BERT's 103 s export, for a choice the file never used."""
+    from ..config import OptimizeConfig
+    from ..passes import LOWERING
+
+    cfg = OptimizeConfig.build(precision_lib.export_config(config, precision), {})
+    disable = tuple(dict.fromkeys((*cfg.disable, *sorted(LOWERING))))
+    return OptimizeConfig.build(cfg, {"backend": "aten", "backends": None, "disable": disable})
 
 
 def _quantized_ops(gm: GraphModule) -> list[str]:
