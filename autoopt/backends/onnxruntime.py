@@ -167,3 +167,66 @@ def version() -> str:
         except importlib.metadata.PackageNotFoundError:
             continue
     return "none"
+
+
+# (provider, ONNX element type) -> whether the provider has a MatMul kernel for it; probed once.
+_MATMUL_KERNELS: dict[tuple[str, int], bool] = {}
+_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+def unsupported_dtypes(gm: GraphModule, device: torch.device | str = "cpu") -> str:
+    """Why ONNX Runtime on ``device`` cannot run ``gm`` for the dtypes it computes in, or ''.
+
+    ``precision="bf16"`` casts the matrix multiplies to bfloat16, for which ONNX Runtime's CPU
+    provider has no kernel: building the candidate exported the graph and opened a session
+    (15 s on a small model) only to fail with ONNX Runtime's raw error. A one-node MatMul
+    session per low-precision dtype, opened once per process, says it up front (a provider
+    that gains the kernel is used again without a change here)."""
+    import onnx
+
+    provider = _PROVIDERS.get(torch.device(device).type)
+    if provider is None:
+        return ""  # lower() refuses the device with its own reason
+    for dtype in _low_precision_dtypes(gm):
+        element = {torch.bfloat16: onnx.TensorProto.BFLOAT16,
+                   torch.float16: onnx.TensorProto.FLOAT16}[dtype]
+        if not _has_matmul(provider, element):
+            name = str(dtype).removeprefix("torch.")
+            return (f"ONNX Runtime {version()} has no {name} matrix multiply on "
+                    f"{provider.removesuffix('ExecutionProvider')}, and the graph computes in "
+                    f"{name}")
+    return ""
+
+
+def _low_precision_dtypes(gm: GraphModule) -> list[torch.dtype]:
+    """bfloat16 and float16, where some value of ``gm`` (a node's result, a weight) has it."""
+    low = (torch.bfloat16, torch.float16)
+    found = {t.dtype for t in (*gm.parameters(), *gm.buffers()) if t.dtype in low}
+    for node in gm.graph.nodes:
+        for value in pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(value, torch.Tensor) and value.dtype in low:
+                found.add(value.dtype)
+    return [dtype for dtype in low if dtype in found]
+
+
+def _has_matmul(provider: str, element: int) -> bool:
+    key = (provider, element)
+    if key not in _MATMUL_KERNELS:
+        import onnx
+        import onnxruntime
+        from onnx import helper
+
+        if provider not in onnxruntime.get_available_providers():
+            return True  # not this check's to say: opening the candidate's session says why
+        values = [helper.make_tensor_value_info(name, element, [2, 2]) for name in "abc"]
+        graph = helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["c"])], "probe",
+                                  values[:2], values[2:])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+        model.ir_version = min(model.ir_version, onnx.IR_VERSION, 8)
+        try:
+            onnxruntime.InferenceSession(model.SerializeToString(), providers=[provider])
+            _MATMUL_KERNELS[key] = True
+        except Exception as exc:  # noqa: BLE001 - no kernel (NOT_IMPLEMENTED), no provider
+            log.debug("onnxruntime: no %s MatMul on %s: %s", element, provider, exc)
+            _MATMUL_KERNELS[key] = False
+    return _MATMUL_KERNELS[key]
