@@ -422,3 +422,35 @@ def test_mfu_of_a_bf16_training_module_holds_its_flops_to_the_bf16_peak(
     assert d.flops is not None and d.flops.forward == forward
     assert set(d.flops.by_dtype) == {"bfloat16"} and d.flops.precision == "bf16"
     assert any("held to the bf16 peak" in n for n in d.notes), d.notes
+
+
+def test_a_diagnosis_after_apply_suggests_nothing_already_applied(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The diagnosis after ``apply()`` suggested precision='bf16' and fusion though the module
+    it ran had both: a remedy the optimized module has is not suggested again, it is named."""
+    from autoopt.diagnose import diagnosis as diagnosis_module
+    from autoopt.diagnose.findings import Finding
+
+    speeds = {torch.float32: 1e11, torch.bfloat16: 2e11}  # bf16 worth trying on any CPU
+    monkeypatch.setattr(precision_target, "matmul_flops", lambda device, dtype: speeds[dtype])
+    precision = Remedy("precision", "optimize(..., precision='bf16')", {"precision": "bf16"})
+    fusion = Remedy("fusion", "optimize(...): fuses elementwise chains")
+    batch = Remedy("batch_size", "a larger batch")
+    memory = Finding("memory", "memory-bound ops", 0.5, (("memory-bound ops", "50%"),),
+                     (precision, fusion, batch))
+    monkeypatch.setattr(diagnosis_module, "find_causes", lambda shares, **context: [memory])
+    model = _ManySmallOps().eval()
+    x = torch.randn(1, 16)
+
+    def remedies(module: nn.Module) -> tuple[Remedy, ...]:
+        return autoopt.diagnose(module, x, steps=2, roofline=False).findings[0].remedies
+
+    assert remedies(model) == (precision, fusion, batch)  # nothing applied yet
+    fp32 = autoopt.optimize(model, (x,), backends=("aten",))
+    assert remedies(fp32) == (precision, batch)
+    bf16 = autoopt.optimize(model, (x,), backends=("aten",), precision="bf16",
+                            pass_options={"precision": {"force": True}})
+    found = autoopt.diagnose(bf16, x, steps=2, roofline=False).findings[0]
+    assert found.remedies == (batch,)
+    assert ("applied already", "precision='bf16', autoopt.optimize") in found.evidence
+    assert "fix (precision)" not in str(found) and "fix (fusion)" not in str(found)

@@ -441,11 +441,49 @@ def diagnose(model: nn.Module, data: Any, example_kwargs: Mapping[str, Any] | No
         flops = step_flops(workload, statistics.median(t[3] for t in timings))
     diagnosis = _attribute(workload, timings, process_cpu, sampler.result, ops, launches, cost,
                            steps)
+    diagnosis.findings = _unapplied(diagnosis.findings, model, workload.source)
     diagnosis.flops = flops
     if flops is not None:
         diagnosis.notes.extend(flops.notes)
     diagnosis.notes.extend(_whole_step_notes(workload))
     return diagnosis
+
+
+def _applied(model: nn.Module, source: Any) -> dict[str, str]:
+    """The remedies ``model`` (an optimized module) and ``source`` have already, each with how
+    it was applied: suggesting them again (after ``apply()`` applied them) says nothing."""
+    from ..module import OptimizedModule
+    from ..runtime.prefetch import Prefetcher
+
+    applied = {}
+    if isinstance(model, OptimizedModule):
+        config = model.config
+        applied["fusion"] = "autoopt.optimize"
+        if config.precision not in (None, "fp32"):
+            applied["precision"] = f"precision={config.precision!r}"
+        if config.memory_budget is not None:
+            applied["offload"] = f"memory_budget={config.memory_budget!r}"
+    if isinstance(source, Prefetcher):
+        applied["prefetch"] = "autoopt.data.prefetch"
+    return applied
+
+
+def _unapplied(findings: list[Finding], model: nn.Module, source: Any) -> list[Finding]:
+    """``findings`` without the remedies already applied, each finding saying which."""
+    applied = _applied(model, source)
+    out = []
+    for finding in findings:
+        # A DataLoader's own workers are a different remedy than autoopt's prefetch.
+        done = [r for r in finding.remedies if r.option in applied and not (
+            r.option == "prefetch" and not r.how.startswith("autoopt.data.prefetch"))]
+        if not done:
+            out.append(finding)
+            continue
+        names = ", ".join(dict.fromkeys(applied[r.option] for r in done))
+        out.append(dataclasses.replace(
+            finding, remedies=tuple(r for r in finding.remedies if r not in done),
+            evidence=(*finding.evidence, ("applied already", names))))
+    return out
 
 
 def _whole_step_notes(w: Workload) -> list[str]:
