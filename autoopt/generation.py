@@ -40,7 +40,7 @@ from torch.utils import _pytree as pytree
 from . import progress
 from .build import build
 from .capture import objects
-from .errors import ConfigError
+from .errors import ConfigError, ModelError
 from .guards import training_flags
 from .module import OptimizedModule
 from .state import hook_keys
@@ -97,15 +97,17 @@ class _Stepper:
     model's own forward where not (the step that allocates it); every step eagerly with
     ``eager_only``."""
 
-    def __init__(self, optimized: Any, eager_forward: Callable[..., Any],
-                 stats: GenerationStats, eager_only: bool = False) -> None:
+    def __init__(self, optimized: Any, model: nn.Module, stats: GenerationStats,
+                 eager_only: bool = False) -> None:
         self._optimized = optimized
-        self._eager = eager_forward
+        # The model's own call, hooks and all: the driver's call runs none (see
+        # ``Generator._run``), so each step runs them once, here or inside the step graph.
+        self._eager = model
         self._stats = stats
         self._eager_only = eager_only
         # generate reads the forward's signature to decide what to pass (position ids, which
         # logits to keep): it must see the model's own.
-        self.__signature__ = inspect.signature(eager_forward)
+        self.__signature__ = inspect.signature(model.forward)
         self._last: tuple[Any, ...] | None = None
 
     def _flat(self, cache: Any) -> tuple[list[Any], pytree.TreeSpec, str]:
@@ -301,6 +303,41 @@ def _eager_reason(module: nn.Module, kwargs: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _returned_cache(cache: Any, module: nn.Module, static_length: int | None) -> Any:
+    """The cache eager's ``generate`` returns for the call, made from the one autoopt's steps
+    filled (a static cache the length of a bucket, 256 positions): a ``DynamicCache`` holding
+    the tokens fed, or with ``cache_implementation="static"`` a static cache of the length
+    transformers sized it to (``static_length``); an encoder-decoder's pair likewise. None
+    where the cache is not one this knows how to rebuild (it is then returned as it is)."""
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache, StaticCache
+
+    config = module.config.get_text_config(decoder=True)
+
+    def rebuilt(old: Any, length: int | None) -> Any:
+        layers = getattr(old, "layers", None)
+        new = (StaticCache(config=config, max_cache_len=length) if length is not None
+               else DynamicCache(config=config))
+        if layers is None or len(new.layers) != len(layers):
+            return None
+        for a, b in zip(layers, new.layers, strict=True):
+            if not getattr(a, "is_initialized", False):
+                continue
+            filled = int(a.get_seq_length())  # a graph step wrote the count in place too
+            b.update(a.keys[:, :, :filled].clone(), a.values[:, :, :filled].clone())
+        return new
+
+    if not isinstance(cache, EncoderDecoderCache):
+        return rebuilt(cache, static_length) if isinstance(cache, StaticCache) else None
+    own, cross = cache.self_attention_cache, cache.cross_attention_cache
+    if not isinstance(own, StaticCache) or not isinstance(cross, StaticCache):
+        return None
+    encoded = max((int(layer.get_seq_length()) for layer in cross.layers
+                   if getattr(layer, "is_initialized", False)), default=0)
+    pair = (rebuilt(own, static_length),
+            rebuilt(cross, encoded if static_length is not None else None))
+    return EncoderDecoderCache(*pair) if None not in pair else None
+
+
 def _float_layout(module: nn.Module) -> frozenset[tuple[torch.dtype, torch.device]]:
     return frozenset((t.dtype, t.device) for t in itertools.chain(module.parameters(),
                                                                    module.buffers())
@@ -318,17 +355,37 @@ class _StateWatch(ModuleWatch):
 
 def _beyond_positions(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
                       ) -> ConfigError | None:
-    """The clear error for a call whose prompt and new tokens need more positions than the
-    model has (a learned position table then fails with a bare index error), or None."""
+    """The clear error for a call whose prompt, or prompt and new tokens, need more positions
+    than the model has (a learned position table then fails with a bare index error, or the
+    prompt step's capture with one on its example inputs), or None. The lengths are the
+    call's as generate reads them: ``max_new_tokens``, else ``max_length``, each from the
+    keyword, the call's ``generation_config`` or the model's."""
     ids = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("input_ids")
     positions = _max_positions(module)
-    new = kwargs.get("max_new_tokens")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or positions is None or \
-            not isinstance(new, int) or ids.shape[1] + new <= positions:
+            getattr(getattr(module, "config", None), "is_encoder_decoder", False):
+        return None  # an encoder-decoder's prompt is the encoder's, not the decoder's positions
+    name, prompt = type(module).__name__, ids.shape[1]
+    if prompt > positions:
+        return ConfigError(f"generate: the prompt is {prompt} tokens, longer than the "
+                           f"{positions} positions {name} has (its config's "
+                           f"max_position_embeddings or n_positions). Shorten the prompt to "
+                           f"at most {positions} tokens, fewer to leave room for new ones.")
+    new = _option(module, kwargs, "max_new_tokens")
+    where = "" if "max_new_tokens" in kwargs else " (from the generation config)"
+    if isinstance(new, int):
+        if prompt + new <= positions:
+            return None
+        return ConfigError(f"generate: a prompt of {prompt} tokens and max_new_tokens={new}"
+                           f"{where} need {prompt + new} positions; {name} has {positions}. "
+                           f"Shorten the prompt or max_new_tokens.")
+    length = _option(module, kwargs, "max_length")
+    if not isinstance(length, int) or length <= positions:
         return None
-    return ConfigError(f"generate: a prompt of {ids.shape[1]} tokens and max_new_tokens={new} "
-                       f"need {ids.shape[1] + new} positions; {type(module).__name__} has "
-                       f"{positions}. Shorten the prompt or max_new_tokens.")
+    where = "" if "max_length" in kwargs else " (from the generation config)"
+    return ConfigError(f"generate: max_length={length}{where} needs {length} positions; "
+                       f"{name} has {positions}. Pass max_length={positions} or less, or "
+                       f"max_new_tokens.")
 
 
 class Generator:
@@ -343,6 +400,8 @@ class Generator:
         self._layout_of: frozenset[Any] = frozenset()  # the module's dtypes and devices then
         self._weights: tuple[tuple[int, int], ...] = ()  # what the step graphs were built on
         self._state: tuple[_StateWatch, Any] | None = None  # and the rest of the module
+        self._asked_static = False  # this call's cache_implementation="static", the user's
+        self._asked_length: int | None = None  # and the length transformers sized it to
         self.stats = GenerationStats()
 
     def _module_state(self) -> Any:
@@ -456,6 +515,7 @@ class Generator:
 
         def prepare_bucketed(*args: Any, **kwargs: Any) -> Any:
             length = kwargs.get("max_cache_len")
+            self._asked_length = length if isinstance(length, int) else None
             if isinstance(length, int):
                 bucket = -(-length // _CACHE_BUCKET) * _CACHE_BUCKET
                 if window is not None and length <= window:
@@ -494,6 +554,8 @@ class Generator:
             reason = "a streamer with a sliding-window model"
         result = None
         self.stats = GenerationStats()
+        # What the cache returned with return_dict_in_generate=True is to be.
+        self._asked_static = _option(module, kwargs, "cache_implementation") == "static"
         if reason is None:
             self._drop_steps_on_other_weights()
             self._drop_steps_on_other_state()
@@ -520,20 +582,47 @@ class Generator:
 
     def _run(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
              eager_only: bool = False) -> Any:
-        driver = copy.copy(module)  # shares submodules and weights; its own forward
-        driver.forward = _Stepper(self, module.forward, self.stats, eager_only)
+        driver = copy.copy(module)  # shares submodules, weights and hooks; its own forward
+        stepper = _Stepper(self, module, self.stats, eager_only)
+        driver.forward = stepper
+        # generate calls the driver, whose call would run the model's hooks (its dicts are the
+        # model's) around a step that calls the model, which runs them again: twice a step (a
+        # forward hook adding a bias to the logits added it twice). nn.Module's call goes
+        # straight to ``_compiled_call_impl`` where one is set, past every hook, global
+        # ones too; the step's own call of the model runs them once.
+        driver._compiled_call_impl = stepper
         prepare = getattr(driver, "_prepare_static_cache", None)
         if callable(prepare) and not eager_only:
             # transformers 5; without it, each length has its own graph
             driver._prepare_static_cache = self._sized(prepare)
+        self._asked_length = None
         with torch.no_grad():
             try:
-                return driver.generate(*args, **kwargs)
-            except (IndexError, RuntimeError) as exc:
+                result = driver.generate(*args, **kwargs)
+            except (IndexError, RuntimeError, ModelError) as exc:
+                # (ModelError: a prompt step's capture ran the model on this prompt)
                 clear = _beyond_positions(module, args, kwargs)
                 if clear is None:
                     raise
                 raise clear from exc
+            if not eager_only:
+                self._return_eager_s_cache(module, result)
+        return result
+
+    def _return_eager_s_cache(self, module: nn.Module, result: Any) -> None:
+        """Put the cache eager would return in ``result`` (``return_dict_in_generate=True``)
+        in place of the static one the steps ran on (see ``_returned_cache``)."""
+        for name in ("cache", "past_key_values"):
+            cache = result.get(name) if isinstance(result, Mapping) else None
+            if cache is None:
+                continue
+            length = self._asked_length if self._asked_static else None
+            if self._asked_static and length is None:
+                return  # no length known to size it to: the steps' own
+            rebuilt = _returned_cache(cache, module, length)
+            if rebuilt is not None:
+                result[name] = rebuilt
+            return
 
 
 class GenerativeModule(OptimizedModule):

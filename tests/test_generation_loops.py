@@ -1,0 +1,133 @@
+"""``fast.generate`` in the loops users write around it: hooks on the model, the cache it
+returns, the errors of a call the model cannot run, and which calls build step graphs (batch
+sizes, source lengths, a plain call with gradients between generate calls)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import autoopt
+from autoopt.errors import ConfigError
+
+transformers.logging.set_verbosity_error()
+
+_VOCAB = 101
+
+
+def _decoder(**config: object) -> nn.Module:
+    """A small Llama whose random weights are large enough that its greedy tokens vary."""
+    torch.manual_seed(0)
+    options = dict(vocab_size=_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                   initializer_range=0.3, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    options.update(config)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**options)).eval()
+
+
+def _ids(length: int = 6, batch: int = 1) -> torch.Tensor:
+    return torch.randint(3, _VOCAB, (batch, length))
+
+
+_GREEDY = dict(do_sample=False, output_scores=True, return_dict_in_generate=True)
+
+
+def _assert_same(got: object, want: object) -> None:
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_hooks_on_the_model_run_once_a_step() -> None:
+    """generate calls a driver sharing the model's hook dicts, whose step then called the
+    model: a forward hook adding a bias to the logits, and a pre-hook with kwargs shifting
+    input_ids, ran twice in every graph step (scores 3.0 off, other tokens). Every hook
+    kind, on the model and on a submodule, runs once a step as in eager."""
+    model = _decoder()
+    bias = torch.linspace(0.0, 3.0, _VOCAB)
+
+    def add_bias(_m: nn.Module, _args: object, out: object) -> object:
+        out.logits = out.logits + bias
+        return out
+
+    def shift_ids(_m: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        if kwargs.get("input_ids") is not None:
+            kwargs["input_ids"] = (kwargs["input_ids"] + 1) % _VOCAB
+        return args, kwargs
+
+    model.register_forward_hook(add_bias)
+    model.register_forward_pre_hook(shift_ids, with_kwargs=True)
+    model.model.norm.register_forward_hook(lambda _m, _i, out: out * 1.5)
+    ids = _ids()
+    fast = autoopt.optimize(model, (ids,), backends=("aten",))
+    want = model.generate(ids, max_new_tokens=5, min_new_tokens=5, **_GREEDY)
+    for _ in range(2):  # the first call's prompt step eager, the second's through a graph
+        got = fast.generate(ids, max_new_tokens=5, min_new_tokens=5, **_GREEDY)
+        _assert_same(got, want)
+        assert fast._generator.stats.graph_steps >= 4
+
+
+def _t5() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=_VOCAB, d_model=32, d_kv=16, d_ff=64,
+                                   num_layers=2, num_decoder_layers=2, num_heads=2,
+                                   decoder_start_token_id=0, initializer_factor=3.0)
+    return transformers.T5ForConditionalGeneration(config).eval()
+
+
+def _assert_same_cache(got: object, want: object) -> None:
+    assert type(got) is type(want)
+    pairs = ([(got, want)] if not hasattr(want, "self_attention_cache") else
+             [(got.self_attention_cache, want.self_attention_cache),
+              (got.cross_attention_cache, want.cross_attention_cache)])
+    for a, b in pairs:
+        assert type(a) is type(b)
+        assert int(a.get_seq_length()) == int(b.get_seq_length())
+        for x, y in zip(a.layers, b.layers, strict=True):
+            assert type(x) is type(y)
+            assert x.keys.shape == y.keys.shape
+            torch.testing.assert_close(x.keys, y.keys, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(x.values, y.values, atol=1e-4, rtol=1e-4)
+
+
+def test_the_returned_cache_is_the_one_eager_returns() -> None:
+    """return_dict_in_generate=True returned the StaticCache the steps ran on, 256 positions
+    long, where eager returns a DynamicCache of the tokens fed (and with
+    cache_implementation="static" a static cache of the call's own length)."""
+    for model, ids in ((_decoder(), _ids()), (_t5(), _ids(9, batch=2))):
+        example = {"decoder_input_ids": ids[:, :3]} if model.config.is_encoder_decoder else {}
+        fast = autoopt.optimize(model, (ids,), example, backends=("aten",))
+        for options in ({}, {"cache_implementation": "static"}, {}):
+            got = fast.generate(ids, max_new_tokens=4, min_new_tokens=4, **_GREEDY, **options)
+            want = model.generate(ids, max_new_tokens=4, min_new_tokens=4, **_GREEDY,
+                                  **options)
+            _assert_same(got, want)
+            _assert_same_cache(got.cache, want.cache)
+            assert fast._generator.stats.graph_steps >= 3
+
+
+def test_a_call_past_the_models_positions_is_a_clear_error() -> None:
+    """GPT-2's position table has 64 rows: max_length=70, or max_new_tokens set in a
+    GenerationConfig, raised a bare IndexError (only the max_new_tokens= keyword got a
+    clear error), and a 70-token prompt a ModelError about "the example inputs" once the
+    prompt step had a graph. Each says what is wrong: before and after the graphs exist."""
+    config = transformers.GPT2Config(vocab_size=_VOCAB, n_embd=32, n_layer=1, n_head=2,
+                                     n_positions=64, bos_token_id=0, eos_token_id=1)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    fast = autoopt.optimize(model, (_ids(),), backends=("aten",))
+    calls = [
+        ((_ids(60),), dict(max_length=70),
+         "max_length=70 needs 70 positions; GPT2LMHeadModel has 64"),
+        ((_ids(60),), dict(generation_config=transformers.GenerationConfig(max_new_tokens=8)),
+         r"a prompt of 60 tokens and max_new_tokens=8 \(from the generation config\) need "
+         r"68 positions; GPT2LMHeadModel has 64"),
+        ((_ids(70),), dict(max_new_tokens=2),
+         "the prompt is 70 tokens, longer than the 64 positions GPT2LMHeadModel has"),
+    ]
+    for _ in range(2):  # the first call's prompt step eager, then through its graph
+        for args, options, message in calls:
+            with pytest.raises(ConfigError, match=message):
+                fast.generate(*args, do_sample=False, **options)
+        assert fast.generate(_ids(), max_new_tokens=3, do_sample=False).shape == (1, 9)
