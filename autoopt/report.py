@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections import Counter
 from dataclasses import dataclass, field
 
 from .passes.precision import PrecisionSummary
 from .planning.memory_plan import MemoryPlan
+from .progress import clip
 from .verify import VerifyResult
+
+# The longest line describe() writes (a report line, indented, fits a 100-column terminal).
+_WIDTH = 96
+_GLUE = "\x1f"  # a space textwrap does not break at
 
 
 @dataclass
@@ -53,23 +59,29 @@ class BackendChoice:
     eager_s: float | None = None
 
     def describe(self) -> str:
-        timed = ", ".join(f"{n} {s * 1e3:.3g} ms" for n, s in
+        """The choice (and the regions) on a first line, then indented lines for the timings,
+        wrapped at ``_WIDTH`` characters, and one for each candidate not used, cut there (a
+        candidate's whole error, which made this one line of 400 characters, stays in
+        ``skipped``)."""
+        # Each "name 1.2 ms" is one word (_GLUE for its spaces) so that wrapping keeps it whole.
+        timed = ", ".join(f"{n}{_GLUE}{s * 1e3:.3g}{_GLUE}ms" for n, s in
                           sorted(self.seconds.items(), key=lambda item: item[1]))
         if timed and self.eager_s:
-            timed += f"; eager {self.eager_s * 1e3:.3g} ms"
-        text = f"backend {self.chosen} for the {self.graph}"
-        if self.regions:
-            text += f" ({self.regions})"
+            timed += f";{_GLUE}eager{_GLUE}{self.eager_s * 1e3:.3g}{_GLUE}ms"
+        lines = [f"backend {self.chosen} for the {self.graph}"
+                 + (f" ({self.regions})" if self.regions else "")]
         if timed:
-            text += f" (measured{' earlier' if self.cached else ''}: {timed})"
+            lines.append(f"  measured{' earlier' if self.cached else ''}: {timed}")
         fastest = min(self.seconds, key=self.seconds.__getitem__, default=self.chosen)
         if self.chosen in self.seconds and self.seconds[fastest] < self.seconds[self.chosen]:
             gain = 1.0 - self.seconds[fastest] / self.seconds[self.chosen]
-            text += (f"; {self.chosen} kept, earlier in the order of preference: {fastest} "
-                     f"measured only {gain:.1%} faster")
-        for name, why in self.skipped.items():
-            text += f"; not {name}: {why}"
-        return text
+            lines.append(f"  {self.chosen} kept, earlier in the order of preference: "
+                         f"{fastest} measured only {gain:.1%} faster")
+        wrapped = [part.replace(_GLUE, " ") for line in lines
+                   for part in textwrap.wrap(line, _WIDTH, subsequent_indent="    ")]
+        for name, why in self.skipped.items():  # an error's first line, cut: the gist
+            wrapped.append(clip(f"  not {name}: {why.strip().split(chr(10), 1)[0]}", _WIDTH))
+        return "\n".join(wrapped)
 
 
 @dataclass
@@ -91,6 +103,10 @@ class CaptureRecord:
         backends: the backend chosen for each graph (one, or one per Dynamo subgraph).
         memory: each step left out or done one piece at a time because it would exceed
             ``optimize_memory`` or the free memory, with the bytes it needed.
+        reused: where the graph was not exported anew, which capture's exported graph the
+            passes ran on (a call with gradients after an inference capture).
+        rebuilds: how many times the graph was built again from its exported graph after
+            the weights it folded or packed were written (no export, no measurement).
     """
 
     inputs: str
@@ -108,6 +124,8 @@ class CaptureRecord:
     runs: str = ""
     backends: list[BackendChoice] = field(default_factory=list)
     memory: list[str] = field(default_factory=list)
+    reused: str = ""
+    rebuilds: int = 0
 
 
 @dataclass
@@ -150,10 +168,18 @@ class Report:
         lines = ["autoopt report"]
         for i, c in enumerate(self.captures):
             lines.append(f"[{i}] inputs: {c.inputs}")
-            lines.append(f"    capture: {c.method} ({c.seconds:.2f} s)"
-                         + (f", {c.subgraphs} subgraph(s)" if c.method == "dynamo" else ""))
+            # The seconds are the whole build, not the capture method's: "export (71.78 s)"
+            # read as a 72 s torch.export.
+            lines.append(f"    capture: {c.method}"
+                         + (f", {c.subgraphs} subgraph(s)" if c.method == "dynamo" else "")
+                         + f"; built in {c.seconds:.2f} s (capture, passes, verification, "
+                           f"backend choice)")
             for method, why in c.attempts:
                 lines.append(f"      not {method}: {why}")
+            if c.reused:
+                lines.append(f"    reused: {c.reused}")
+            if c.rebuilds:
+                lines.append(f"    rebuilt {c.rebuilds} time(s) for new weights (no new export)")
             if c.nodes_before:
                 lines.append(f"    nodes: {c.nodes_before} -> {c.nodes_after}")
             for r in c.passes:
@@ -172,7 +198,8 @@ class Report:
                 lines.append(f"    cuda graph: {c.cuda_graph}")
             if c.runs:
                 lines.append(f"    runs: {c.runs}")
-            lines.extend(f"    {choice.describe()}" for choice in c.backends)
+            lines.extend(f"    {line}" for choice in c.backends
+                         for line in choice.describe().splitlines())
             lines.extend(f"    not done for memory: {note}" for note in c.memory)
         lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)

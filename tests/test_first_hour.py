@@ -8,6 +8,11 @@ import torch
 from torch import nn
 
 from autoopt.backends import onnxruntime as ort
+from autoopt.report import BackendChoice, CaptureRecord, Report
+
+_ORT_ERROR = ("failed to lower: ModelSpecError: '/tmp/autoopt-onnxruntime-lhkhbjp7/graph.onnx' "
+              "is not a readable ONNX model: [ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : Could "
+              "not find an implementation for Gemm(13) node with name 'node_linear'")
 
 
 class _Mlp(nn.Module):
@@ -43,3 +48,36 @@ def test_onnx_runtime_says_up_front_which_dtype_it_cannot_run(dtype: torch.dtype
     else:
         run = ort.lower(gm, model.forward, (x,), {}, expected, torch.device("cpu"))
         torch.testing.assert_close(run(x), expected, rtol=0.05, atol=0.05)
+
+
+def _report() -> Report:
+    choice = BackendChoice(
+        "whole graph", "aten", {"aten": 3.08e-4, "onnxruntime": 3.2e-4, "inductor": 4.98e-4,
+                                "openvino": 7.05e-4},
+        {"hybrid": "no autoopt kernel in the graph: it would be the inductor backend",
+         "onnxruntime": _ORT_ERROR}, eager_s=3.08e-4)
+    return Report([CaptureRecord("int64[2, 8]", "export", seconds=71.78, backends=[choice])])
+
+
+def test_the_report_says_the_seconds_are_the_whole_build() -> None:
+    """``capture: export (71.78 s)`` read as a 72 s torch.export; it was the whole build."""
+    text = str(_report())
+    assert "export (71.78 s)" not in text
+    assert "capture: export; built in 71.78 s (capture, passes, verification, backend " \
+           "choice)" in text
+
+
+def test_the_backend_choice_is_short_lines() -> None:
+    """The backend line ran to about 400 characters: the choice, the timings and each
+    candidate not used on lines of their own, cut to a terminal's width; the whole error
+    stays in ``skipped``."""
+    report = _report()
+    lines = str(report).splitlines()
+    assert max(map(len, lines)) <= 100, max(lines, key=len)
+    assert "    backend aten for the whole graph" in lines
+    text = " ".join(line.strip() for line in lines)
+    assert "measured: aten 0.308 ms, onnxruntime 0.32 ms, inductor 0.498 ms, openvino 0.705 " \
+           "ms; eager 0.308 ms" in text  # wrapped, not cut
+    assert any(line.startswith("      not onnxruntime: failed to lower: ModelSpecError")
+               and line.endswith("...") for line in lines)
+    assert report.backends[0].skipped["onnxruntime"] == _ORT_ERROR
