@@ -219,7 +219,9 @@ def _allocated(cache: Any) -> bool:
 
 
 _CACHE_BUCKET = 256  # static cache lengths are rounded up to a multiple of this
-_MAX_STEP_MODULES = 4  # cache structures (batch size, length) kept, least recently used out
+# Cache structures (batch size, length bucket, dtype) whose step modules are kept, the least
+# recently used dropped; each has two step modules, the prompt step's and the decode step's.
+_MAX_CACHE_SHAPES = 4
 
 
 def _fed(inputs: Mapping[str, Any]) -> torch.Tensor | None:
@@ -501,8 +503,13 @@ class Generator:
                          training=False, dynamic=prompt)
             log.info("generate: step graph ready in %.1f s", time.perf_counter() - started)
             self._steps[key] = step
-            while len(self._steps) > _MAX_STEP_MODULES:  # each holds graphs and weight copies
-                self._steps.pop(next(iter(self._steps)))
+            # Each holds graphs and weight copies. The limit counts cache shapes, not step
+            # modules: counting modules kept two shapes of the four (a third batch size threw
+            # out the first one's prompt and decode graphs).
+            while len({k[1:] for k in self._steps}) > _MAX_CACHE_SHAPES:
+                oldest = next(iter(self._steps))[1:]
+                for k in [k for k in self._steps if k[1:] == oldest]:
+                    del self._steps[k]
         else:
             self._steps[key] = self._steps.pop(key)  # most recently used last
         return step

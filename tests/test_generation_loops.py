@@ -131,3 +131,22 @@ def test_a_call_past_the_models_positions_is_a_clear_error() -> None:
             with pytest.raises(ConfigError, match=message):
                 fast.generate(*args, do_sample=False, **options)
         assert fast.generate(_ids(), max_new_tokens=3, do_sample=False).shape == (1, 9)
+
+
+def test_four_batch_sizes_keep_their_graphs() -> None:
+    """Four cache shapes are kept: the limit counted step modules, two per shape (prompt and
+    decode), so a third batch size threw out the first one's graphs and batches 1, 2, 3, 1
+    built two graphs again. Four alternating batch sizes build no graph after warm-up."""
+    model = _decoder(num_hidden_layers=1)
+    fast = autoopt.optimize(model, (_ids(),), backends=("aten",))
+    options = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    fast.generate(_ids(), **options)  # the first call's prompt step runs eagerly
+    built = {}
+    for round_ in range(2):
+        for batch in (1, 2, 3, 4):
+            ids = _ids(5, batch=batch)
+            assert torch.equal(fast.generate(ids, **options), model.generate(ids, **options))
+            if round_ == 0:
+                built = {id(step) for step in fast._generator._steps.values()}
+    assert len(built) == 8  # a prompt and a decode step module per batch size
+    assert {id(step) for step in fast._generator._steps.values()} == built
