@@ -75,12 +75,17 @@ def _run(gm: GraphModule, passes: Sequence[tuple[str, PassFn]], ctx: PassContext
     records: list[PassRecord] = []
     current = gm
     before_lowering: GraphModule | None = None
+    # The graph before ``precision`` cast it, where it did: an engine with a reduced-precision
+    # mode of its own (OpenVINO's bf16 hint) is a candidate on it (``FULL_PRECISION``).
+    before_precision: GraphModule | None = None
     for name, fn in passes:
         if name in LOWERING and before_lowering is None:
             # Merged weights become concatenations of the user's weights here, so that their
             # copies are freed before the lowerings make theirs (packed_linear packs the
             # concatenation); the copies still read are made again after the lowerings.
             current = before_lowering = _as_concatenations(current)
+            if before_precision is not None:
+                before_precision = _as_concatenations(before_precision)
             candidate = result = None  # the graph before: its merged copies go now
             memory_profile.release_free_memory()
         if name in disabled:
@@ -113,6 +118,8 @@ def _run(gm: GraphModule, passes: Sequence[tuple[str, PassFn]], ctx: PassContext
                 records.append(PassRecord(name, "rolled_back", dict(result.counts),
                                           time.perf_counter() - start, verdict.detail))
                 continue
+        if name == "precision":
+            before_precision = current
         current = result.graph_module
         records.append(PassRecord(name, "applied", dict(result.counts),
                                   time.perf_counter() - start))
@@ -128,6 +135,8 @@ def _run(gm: GraphModule, passes: Sequence[tuple[str, PassFn]], ctx: PassContext
             current.meta["portable"] = copy_graph_module(before_lowering)
             _fold_concatenations(current.meta["portable"], folded)
         memory_profile.release_free_memory()
+    if before_precision is not None and current is not before_precision:
+        current.meta[FULL_PRECISION] = before_precision
     return current, records
 
 
@@ -239,6 +248,16 @@ def _staged(check: Check) -> Check:
         with memory_profile.stage("verify"):
             return check(candidate)
     return staged
+
+
+# ``gm.meta[FULL_PRECISION]``: the graph before the ``precision`` pass cast it, where it did.
+FULL_PRECISION = "full_precision"
+
+
+def full_precision(gm: GraphModule) -> GraphModule | None:
+    """The graph ``gm`` was before ``precision=`` cast it (portable, as ``portable``'s), or
+    None where the precision pass did not change it."""
+    return gm.meta.get(FULL_PRECISION)
 
 
 def portable(gm: GraphModule) -> GraphModule:

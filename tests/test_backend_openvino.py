@@ -168,3 +168,35 @@ def test_missing_openvino_is_skipped_with_its_reason(monkeypatch: pytest.MonkeyP
     assert_same_function(model, fast, args, kwargs)
     with pytest.raises(ConfigError, match="not installed"):
         autoopt.optimize(model, args, kwargs, backend="openvino")
+
+
+@needs_openvino
+def test_under_bf16_openvino_runs_its_own_bf16_mode_on_the_fp32_graph(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """precision="bf16": OpenVINO's candidate is the graph before autoopt's casts compiled
+    with OpenVINO's bf16 hint, verified under the precision's tolerance."""
+    import openvino as ov
+
+    compiled: list[tuple[dict[str, Any], list[str]]] = []
+    real = ov.Core.compile_model
+
+    def spy(self: Any, model: Any, device: str, config: dict[str, Any]) -> Any:
+        types = sorted({str(op.get_output_element_type(0)) for op in model.get_ops()
+                        if op.get_output_size()})
+        compiled.append((dict(config), types))
+        return real(self, model, device, config)
+
+    monkeypatch.setattr(ov.Core, "compile_model", spy)
+    model, args, kwargs = cnn()
+    fast = autoopt.optimize(model, args, kwargs, backend="openvino", precision="bf16",
+                            pass_options={"precision": {"force": True}})
+    (choice,) = fast.report.backends
+    assert choice.chosen == "openvino"
+    assert "OpenVINO in bf16" in str(fast.report)
+    assert fast.report.captures[0].precision is not None  # autoopt's map: aten's graph
+    (config, types), = compiled
+    assert config["INFERENCE_PRECISION_HINT"] == "bf16"
+    assert "<Type: 'bfloat16'>" not in types and "bf16" not in " ".join(types)
+    with torch.no_grad():
+        out, expected = fast(*args), model(*args)
+    assert (out - expected).abs().max() <= 0.05 * expected.abs().max()

@@ -320,6 +320,8 @@ def test_the_fastest_verified_candidate_wins_and_only_it_is_rebuilt() -> None:
     assert choice.skipped == {"onnxruntime": "differs from eager (outputs differ)"}
     run, choice = choose()
     assert (run(), choice.cached, builds) == ("inductor", True, ["inductor"])
+    # Not tried again (it computes another function), and not hidden: its reason stays.
+    assert choice.skipped["onnxruntime"].startswith("differs from eager (outputs differ)")
     with pytest.raises(ConfigError, match="no backend of"):
         choose_backend("whole graph", [lowering("onnxruntime", ok=False)], {}, verify=verify,
                        timer=lambda run: run, cost_model=cost, what="h", required=True,

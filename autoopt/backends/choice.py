@@ -44,6 +44,8 @@ _ROUNDS, _BUDGET_S = 9, 3.0
 # nothing and Inductor with freezing 10-20 s (its weight packing runs before its cache is
 # read), and it holds no compiler's copy of the weights.
 MARGIN = 0.02
+# How a candidate that built and computed another function than eager's is reported.
+DIFFERS = "differs from eager"
 
 
 def replaces(seconds: float, best: float) -> bool:
@@ -158,22 +160,27 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
             skipped[lowering.name] = f"failed to lower: {_first_line(exc)}"
             return None
         if verdict is not None and not verdict.ok:
-            skipped[lowering.name] = f"differs from eager ({verdict.detail})"
+            skipped[lowering.name] = f"{DIFFERS} ({verdict.detail})"
             return None
         log.info("backend: %s ready in %.1f s", lowering.name, time.perf_counter() - start)
         built.add(lowering.name)
         return run
 
     stored = cost_model.recorded(what, candidates)
-    retried = _unmeasured(lowerings, stored or {})
+    failed = cost_model.recorded_failures(what, candidates) if stored else {}
+    # A candidate that failed to build or to be timed when the record was made: such a
+    # failure may be transient (memory, a compiler's temporary error), so the choice is
+    # measured again rather than made for good without it. One that built and computed
+    # another function is not tried again (its reason is reported): that does not pass.
+    retried = [name for name in _unmeasured(lowerings, stored or {})
+               if not failed.get(name, "").startswith(DIFFERS)]
     if stored and retried:
-        # A candidate that failed (to build, verify or time) when the record was made: a
-        # failure may be transient (memory, a compiler's temporary error), so the choice is
-        # measured again rather than made for good without it.
-        failed = cost_model.recorded_failures(what, candidates)
         log.info("backend: measuring the %s again: %s", graph, "; ".join(
             f"{name} was not measured ({failed.get(name, 'failed')})" for name in retried))
         stored = None
+    for name, why in failed.items():
+        if stored and name in candidates:
+            skipped.setdefault(name, f"{why}, when this choice was measured")
     if stored:
         eager = cost_model.recorded(f"{what}|eager", [_EAGER]) or {}
         first = decided(candidates, stored)

@@ -124,6 +124,14 @@ def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str
     return run
 
 
+def describe(precision: str) -> str:
+    """What the report says of a graph OpenVINO runs, where it runs in reduced precision."""
+    if precision == "fp32":
+        return ""
+    return (f"OpenVINO in {precision} (its inference precision hint) on the graph before "
+            f"autoopt's casts")
+
+
 def unsupported(gm: GraphModule, device: torch.device, gradients: bool, positional: bool,
                 writes_inputs: bool) -> str:
     """Why OpenVINO cannot take ``gm`` here, or ''."""

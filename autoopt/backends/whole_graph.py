@@ -24,7 +24,7 @@ from ..config import OptimizeConfig
 from ..cost_model import CostModel
 from ..cost_model.estimate import value_spec
 from ..cost_model.isolation import written_placeholders
-from ..driver import portable
+from ..driver import full_precision, portable
 from ..passes.graph import release_packed, restore_packed
 from ..report import BackendChoice
 from ..state import preserved
@@ -124,14 +124,18 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
                 lowerings.append(Lowering(name, lambda: warm(_onnxruntime(
                     source, module, args, kwargs, device)), memory=ort.memory_estimate(source)))
         elif name == "openvino":
-            why = openvino.unsupported(source, device, gradients, adapt is not None,
-                                       bool(written_placeholders(source)))
+            # Under precision="bf16", OpenVINO's own bf16 mode on the graph before autoopt's
+            # casts: its hint, verified under the precision's tolerance like autoopt's map.
+            precision, graph = _openvino_precision(gm, source, config)
+            why = openvino.unsupported(graph, device, gradients, adapt is not None,
+                                       bool(written_placeholders(graph)))
             if why:
                 skipped[name] = why
             else:
-                lowerings.append(Lowering(name, lambda: warm(_openvino(
-                    source, module, args, kwargs, device)),
-                    memory=openvino.memory_estimate(source)))
+                lowerings.append(Lowering(name, lambda graph=graph, precision=precision: warm(
+                    _openvino(graph, module, args, kwargs, device, precision)),
+                    memory=openvino.memory_estimate(graph),
+                    regions=lambda precision=precision: openvino.describe(precision)))
 
     writes_inputs = bool(written_placeholders(gm))
 
@@ -204,6 +208,15 @@ class _Rerun:
                 with torch.no_grad():
                     tensor.copy_(value)
         self._saved = [(x, value, x._version) for x, value, _ in self._saved]
+
+
+def _openvino_precision(gm: GraphModule, source: GraphModule, config: OptimizeConfig,
+                        ) -> tuple[str, GraphModule]:
+    """The precision OpenVINO runs in, and the graph it is given."""
+    fp32 = full_precision(gm)
+    if config.precision in openvino.HINTS and fp32 is not None:
+        return config.precision, fp32
+    return "fp32", source
 
 
 def _expected(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
