@@ -239,7 +239,7 @@ def test_dynamic_widens_only_the_dimensions_it_names() -> None:
     assert widened_for_dynamic(specs, ("batch",), "float32")[0] == [
         "ids=2x1:int64", "2x1", "mask=2x1:bool", "3x5"]
     assert widened_for_dynamic(specs, (), "float32") == (specs, [])
-    assert widened_for_dynamic(["1x7"], ("sequence",), "int64")[0] == ["1x7"]  # a float input has no sequence
+    assert widened_for_dynamic(["1x1"], ("sequence",), "float32")[0] == ["1x1"]  # a float
 
 
 @pytest.mark.parametrize("command", ["optimize", "diagnose", "report"])
@@ -435,6 +435,30 @@ def test_progress_on_a_terminal_is_a_status_line_erased_at_the_end(
     assert max(len(line) for line in shown.split("\r")) < 80
     assert shown.endswith("\r") and shown.rsplit("\r", 2)[-2].strip() == ""  # erased
     assert capsys.readouterr().out == "autoopt report (fake)\n"
+
+
+def test_the_status_line_shows_no_internal_debug_records(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A pass's measurement is progress; another module's DEBUG record (why a graph was not
+    cached, a session's temporary file) is not news to a user."""
+    def optimize(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 **options: Any) -> SimpleNamespace:
+        logging.getLogger("autoopt.passes.packed_linear").debug("linear [4, 8]: 3 us vs 4 us")
+        logging.getLogger("autoopt.backends.onnx_graph").debug(
+            "onnxruntime: the exported graph is not cached: the exported graph holds no "
+            "initializer for 'w'")
+        logging.getLogger("autoopt.export.session").debug(
+            "ONNX Runtime session for /tmp/autoopt-onnxruntime-x/graph.onnx")
+        return SimpleNamespace(report="autoopt report (fake)")
+
+    monkeypatch.setattr("autoopt.api.optimize", optimize)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.setenv("COLUMNS", "300")  # wide enough to show whole records
+    assert main(["optimize", "torch.nn:Identity", "--input", "2x3"]) == 0
+    shown = terminal.getvalue()
+    assert "| pass packed_linear: linear" in shown
+    assert "initializer" not in shown and "/tmp/" not in shown
 
 
 def test_progress_with_v_is_timed_lines_and_piped_is_silent(

@@ -91,6 +91,13 @@ def _source(name: str) -> str:
     return parts[0]
 
 
+def _measuring(name: str) -> bool:
+    """A pass or the cost model: their DEBUG records are the measurements a status line
+    shows as progress."""
+    source = _source(name)
+    return source.startswith("pass ") or source == "measuring"
+
+
 class _Lines(logging.Handler):
     """``-v``: ``[  3.2s] capture: ...``, one line per record, whole messages."""
 
@@ -146,8 +153,10 @@ class _StatusLine(logging.Handler):
                 return
             if record.name == log.name:
                 self.stage, self.detail = first, ""
-            else:
+            elif record.levelno >= logging.INFO or _measuring(record.name):
                 self.detail = f"{_source(record.name)}: {first}"
+            else:  # another module's DEBUG record: its internals (cache keys, file names)
+                return
             with self.write_lock:
                 self._draw()
         except Exception:

@@ -217,7 +217,8 @@ def onnx_session(path: str | Path, device: str | torch.device = "cpu",
     except Exception as exc:
         raise ModelSpecError(f"{str(path)!r} is not a readable ONNX model: "
                              f"{first_line(exc)}") from exc
-    log.info("ONNX Runtime session for %s on %s", path, session.get_providers())
+    # DEBUG: a backend candidate's session is a temporary file, no news to a progress line.
+    log.debug("ONNX Runtime session for %s on %s", path, session.get_providers())
     return OnnxSession(session, target, io_binding=target.type == "cuda")
 
 
