@@ -11,6 +11,7 @@ any order.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 from collections.abc import Callable, Iterable, Mapping
@@ -79,6 +80,17 @@ class InputSignature:
             elif isinstance(value, torch.Tensor) or not _same_value(spec, value):
                 return False
         return self.shapes is None or self.shapes.hold(leaves)
+
+    def matches_any_grad(self, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                         modes: tuple[Any, ...]) -> bool:
+        """``matches`` but for the grad mode and which tensors require gradients: what an
+        exported graph, before the passes, does not depend on (its ops are differentiable
+        either way; the passes decide what may be folded for the mode)."""
+        relaxed = dataclasses.replace(
+            self, modes=(False, (), *self.modes[2:]),
+            leaves=tuple(dataclasses.replace(s, requires_grad=None)
+                         if isinstance(s, TensorSpec) else s for s in self.leaves))
+        return relaxed.matches(args, kwargs, (False, (), *modes[2:]))
 
     def describe(self) -> str:
         parts = [str(s) if isinstance(s, TensorSpec) else repr(s) for s in self.leaves]

@@ -126,7 +126,7 @@ _frozen_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def collecting_only_new() -> Iterator[None]:
+def collecting_only_new(full_first: bool = True) -> Iterator[None]:
     """While the block runs, ``release_free_memory``'s collections visit only the objects
     made since it began: what a capture drops (graph modules holding merged or packed
     copies, backend candidates that lost) is made there, while the process's older objects
@@ -135,11 +135,13 @@ def collecting_only_new() -> Iterator[None]:
     on entry frees what was dropped before (an optimized module deleted, graphs gone
     stale); older objects that become garbage meanwhile (another thread's) wait for the
     next collection after the block (``gc.freeze`` / ``gc.unfreeze``, counted across
-    threads)."""
+    threads). ``full_first=False`` skips the collection on entry, for a caller that knows
+    little was dropped since the last one (a graph rebuilt for new weights)."""
     global _frozen
     with _frozen_lock:
         if _frozen == 0:
-            gc.collect()
+            if full_first:
+                gc.collect()
             gc.freeze()
         _frozen += 1
     try:

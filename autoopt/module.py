@@ -9,6 +9,7 @@ that breaks an assumption is captured again or runs eagerly, never replayed on a
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import warnings
 from collections.abc import Callable, Mapping
@@ -30,6 +31,7 @@ from .state import has_hooks
 from .verify import clone_inputs
 from .watch import ModuleWatch
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Specialization:
@@ -78,6 +80,9 @@ class OptimizedModule(nn.Module):
         self._dynamic = dynamic
         self._dynamic_shapes = dynamic_shapes
         self._specializations: list[Compiled] = []
+        # Graphs gone stale because weights they folded or packed were written, kept to be
+        # rebuilt from their exported graphs on their next call (``Capturer.rebuild``).
+        self._rebuildable: list[Compiled] = []
         self._submodules = list(module.modules())  # for the train/eval flags checked per call
         self._parameters_list = list(module.parameters())  # for requires_grad, checked too
         # Measures nothing until a pass asks; measurements persist in the on-disk cache.
@@ -253,6 +258,8 @@ class OptimizedModule(nn.Module):
     def _drop_graphs(self, which: Callable[[Compiled], bool], note: str) -> None:
         with self._lock:
             self._specializations = [s for s in self._specializations if not which(s)]
+            # An attribute or a hook changed: the exported graphs replay the old model too.
+            self._rebuildable = []
             if note not in self.report.warnings:
                 self.report.warnings.append(note)
 
@@ -276,11 +283,23 @@ class OptimizedModule(nn.Module):
             s.stamp != self._watch.stamp(s.watched)
             or (rewritten and any(id(t) in rewritten for t in s.watched or ())))]
         if stale:
-            self._drop_graphs(lambda s: s in stale,
-                              "parameters or buffers were written after an inference capture "
-                              "(training, load_state_dict, in-place or .data edits): graphs "
-                              "whose folded or packed constants came from the old values are "
-                              "captured again on their next call")
+            gone = {id(s) for s in stale}
+            note = ("parameters or buffers were written after an inference capture (training, "
+                    "load_state_dict, in-place or .data edits): graphs whose folded or packed "
+                    "constants came from the old values are rebuilt on their next call (the "
+                    "passes run again on the exported graph, no new export)")
+            with self._lock:
+                self._specializations = [s for s in self._specializations
+                                         if id(s) not in gone]
+                # The exported graph reads the tensors live: only what the passes derived
+                # from them is stale. One per signature, the newest.
+                keep = [s for s in stale if s.source is not None]
+                self._rebuildable = keep + [
+                    s for s in self._rebuildable
+                    if not any(s.signature == k.signature for k in keep)
+                ][:self._config.max_specializations]
+                if note not in self.report.warnings:
+                    self.report.warnings.append(note)
         # The graphs left hold for the tensors as they are now (a write to a tensor no graph
         # copied, such as a frozen weight's version bump that a stale graph alone watched).
         with self._lock:
@@ -322,6 +341,7 @@ class OptimizedModule(nn.Module):
         """Forget every graph; watch the tensors and attributes the module holds now."""
         with self._lock:
             self._specializations = []
+            self._rebuildable = []  # their exported graphs hold the old tensors
             self._submodules = list(self.module.modules())
             self._parameters_list = list(self.module.parameters())
             self._watch.refresh_tensors()
@@ -347,12 +367,14 @@ class OptimizedModule(nn.Module):
         # module keeps the model, the options and the report, and captures again on load.
         state = dict(self.__dict__)
         state["_specializations"] = []
+        state["_rebuildable"] = []
         state["_settled"] = None  # the token reads the original's dicts by address
         del state["_lock"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # The watch's snapshot was copied with the module, so it names the copied tensors.
+        state.setdefault("_rebuildable", [])  # pickled by an autoopt that kept none
         super().__setstate__(state)
         self._lock = threading.RLock()
         self._settled = None  # pickled by an autoopt that kept no token: walk on the first call
@@ -377,8 +399,8 @@ class OptimizedModule(nn.Module):
                        and s.stamp == self._watch.stamp(s.watched)]
             # What passes may copy into constants: every weight where nothing is
             # differentiated, else those no gradient reaches (buffers, frozen parameters).
-            differentiable = needs_gradients(args, kwargs, current_modes(
-                self.module, self._submodules, self._parameters_list))
+            modes = current_modes(self.module, self._submodules, self._parameters_list)
+            differentiable = needs_gradients(args, kwargs, modes)
             # A train-mode module's statistics are written by every call and folded by none
             # (a train-mode BatchNorm normalizes with batch statistics): not watched, so a
             # train-mode graph is not captured anew after each of its own calls, as in
@@ -389,7 +411,7 @@ class OptimizedModule(nn.Module):
                        and not (differentiable and t.requires_grad)]
             with GATE.capturing(), torch.random.fork_rng(devices=sorted(devices)), \
                     _own_saved_tensors():
-                spec = self._capturer.capture(*clone_inputs(args, kwargs))
+                spec = self._build(args, kwargs, modes, differentiable)
             if self._capturer.kept_state:
                 # The probe kept what the forward's first call writes (a cache, a flag), as
                 # eager's first call would: the values the graphs were traced with now.
@@ -409,6 +431,43 @@ class OptimizedModule(nn.Module):
             self._specializations.append(spec)
             self._take_fingerprint()
             return spec
+
+    def _build(self, args: tuple[Any, ...], kwargs: dict[str, Any], modes: tuple[Any, ...],
+               differentiable: bool) -> Compiled:
+        """A stale graph for these inputs rebuilt for the weights as they are, else a
+        capture, from an exported graph of these inputs in another grad mode where one is
+        kept (no new export)."""
+        for stale in self._rebuildable:
+            if stale.signature is not None and stale.signature.matches(args, kwargs, modes):
+                self._rebuildable = [s for s in self._rebuildable if s is not stale]
+                spec = self._capturer.rebuild(stale, *clone_inputs(args, kwargs))
+                if spec is not None:
+                    return spec
+                break
+        source = next((s.source for s in reversed([*self._rebuildable,
+                                                   *self._specializations])
+                       if s.source is not None and s.signature is not None
+                       and s.signature.matches_any_grad(args, kwargs, modes)), None)
+        if differentiable and not any(m.training for m in self._submodules) and any(
+                s.signature is not None and not s.signature.modes[0]
+                for s in self._specializations):
+            self._say_gradient_graph(source is not None)
+        return self._capturer.capture(*clone_inputs(args, kwargs), source=source)
+
+    def _say_gradient_graph(self, reused: bool) -> None:
+        """Say why a call on a model in eval mode, captured for inference, builds a graph:
+        gradients are enabled (``torch.compile``'s habit: no ``no_grad``), so the graph must
+        keep every weight's gradient, where the inference graph folded weights into
+        constants. It is a wait of seconds to minutes a user would otherwise not explain."""
+        how = ("optimizing the graph already exported for it, no new export" if reused
+               else "capturing it anew")
+        message = (f"a call with gradients enabled on a model in eval mode: building a graph "
+                   f"that computes gradients ({how}). For inference, call under "
+                   f"torch.no_grad() or torch.inference_mode(): that runs the inference "
+                   f"graph already built, with nothing to build")
+        log.warning("autoopt: %s", message)
+        if message not in self.report.warnings:
+            self.report.warnings.append(message)
 
     def _eager_beyond_limit(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                             ) -> Compiled:

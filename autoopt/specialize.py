@@ -9,6 +9,7 @@ model works on copies of the inputs and leaves the module's state as it found it
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -33,6 +34,7 @@ from .driver import graph_to_keep, run_pipeline
 from .errors import ConfigError, ModelError, wrapped_error
 from .guards import InputSignature, current_modes, needs_gradients, signature_of
 from .passes import PassContext
+from .passes.graph import release_packed
 from .report import CaptureRecord, PassRecord, Report
 from .runtime import cuda_graphs
 from .state import (
@@ -109,6 +111,26 @@ class Compiled:
     watched: list[torch.Tensor] | None = None
     # The backend that runs it, when not ``aten`` (``inductor``, ``onnxruntime``).
     backend: str = ""
+    # The exported graph it was optimized from, to build it again without exporting.
+    source: Source | None = None
+
+
+@dataclass
+class Source:
+    """An exported graph as ``torch.export`` gave it, before the passes, kept to build from
+    again without exporting: for new weights (what the passes derived from them, folded
+    BatchNorms, merged and packed copies, is stale; the graph is not, it reads the module's
+    tensors live) or for another grad mode (its ops are differentiable either way).
+
+    Args:
+        graph: the exported graph (never modified: the passes work on copies).
+        record: the report's record of the capture that exported it.
+        written: the module's tensors the forward writes itself (``Capturer.written``).
+    """
+
+    graph: GraphModule
+    record: CaptureRecord
+    written: list[torch.Tensor]
 
 
 def model_device(model: nn.Module) -> torch.device | None:
@@ -145,6 +167,9 @@ class Capturer:
         self.written: list[torch.Tensor] = []
         self._output_types: tuple[type, ...] = ()  # see capture.objects
         self._reference: dict[Any, Any] = {}
+        # Bytes of constants that graphs dropped for new weights may still hold, waiting for
+        # a full collection (``rebuild``).
+        self._uncollected = 0
         self.module = module
         self._config = config
         self.cost_model = cost_model
@@ -152,27 +177,89 @@ class Capturer:
         self._dynamic = dynamic
         self._dynamic_shapes = dynamic_shapes
 
-    def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Compiled:
+    def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                source: Source | None = None) -> Compiled:
         """Try each capture method in ``config.capture`` order on these inputs; the first
         whose graph verifies wins, else the model runs eagerly. Records it in ``report``,
-        with the steps ``optimize_memory`` (or free memory) left out."""
+        with the steps ``optimize_memory`` (or free memory) left out. With ``source`` (an
+        exported graph whose signature matches these inputs but for the grad mode), the
+        passes run on that graph first: no new export where it verifies."""
         record = CaptureRecord(inputs=signature_of(args, kwargs, self.module).describe())
         self.report.captures.append(record)
         with memory_profile.allowing(self._config.optimize_memory_limit,
                                      model_device(self.module) or torch.device("cpu")) as room, \
                 memory_profile.collecting_only_new():
             try:
-                return self._capture(args, kwargs, record)
+                return self._capture(args, kwargs, record, source)
             finally:
                 record.memory = list(room.notes)
 
+    def rebuild(self, spec: Compiled, args: tuple[Any, ...], kwargs: dict[str, Any],
+                ) -> Compiled | None:
+        """``spec`` built again from its exported graph (``spec.source``) for the weights as
+        they are now, on these inputs (which ``spec`` serves): the passes run again (what
+        they derive from the weights), the backend ``spec`` chose is built again without
+        measuring the others, and the result is verified against eager on these inputs (the
+        graph's structure was verified at capture; new weights can only change what was
+        derived from them). No export, no probe, no new record in ``report``: the capture's
+        record counts the rebuild. None where it fails (the caller captures anew)."""
+        source = spec.source
+        if source is None:
+            return None
+        start = time.perf_counter()
+        record = CaptureRecord(inputs=source.record.inputs)  # this build's, not reported
+        config = self._config
+        written = self.written
+        # One candidate, the one measured fastest for this graph: nothing to measure. The
+        # passes that changed the graph at capture, no others: a pass that found nothing to
+        # do in this graph then finds nothing now (the rewrites look at the graph, not at the
+        # weights' values), and each costs a copy of the graph.
+        known = {name for name, _ in config.passes}
+        idle = {r.name for r in source.record.passes if r.status != "applied"} & known
+        self._config = dataclasses.replace(config, backends=(spec.backend or "aten",),
+                                           random_inputs=0,
+                                           disable=tuple({*config.disable, *idle}))
+        self.written = list(source.written)
+        # The stale graph's packed copies go now (by reference count). Its folded and merged
+        # constants wait for a collection: a graph module is a reference cycle. A full one
+        # costs 0.1-0.5 s in a process holding torch, often more than the rebuild itself,
+        # so it runs only once the constants waiting for it add up to the model's weights.
+        self._uncollected += _constant_bytes(spec)
+        weights = sum(t.numel() * t.element_size()
+                      for t in (*self.module.parameters(), *self.module.buffers()))
+        collect = self._uncollected >= weights
+        if collect:
+            self._uncollected = 0
+        try:
+            with memory_profile.allowing(config.optimize_memory_limit,
+                                         model_device(self.module) or torch.device("cpu")), \
+                    memory_profile.collecting_only_new(full_first=collect):
+                built = self._from_graph(source.graph, args, kwargs, record)
+        except Exception as exc:  # noqa: BLE001 - a failed rebuild is a capture, not a crash
+            log.info("rebuilding the graph for new weights failed (%s); capturing anew", exc)
+            self.written = written
+            return None
+        finally:
+            self._config = config
+            self._reference = {}
+        if built.backend != spec.backend:  # not what was chosen: measure anew instead
+            self.written = written
+            return None
+        built.source = source
+        source.record.rebuilds += 1
+        log.info("capture: rebuilt the graph for %s for new weights in %.2f s (no export)",
+                 source.record.inputs, time.perf_counter() - start)
+        return built
+
     def _capture(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 record: CaptureRecord) -> Compiled:
+                 record: CaptureRecord, source: Source | None = None) -> Compiled:
         start = time.perf_counter()
         with memory_profile.stage("eager probe"):
             obstacles = self._probe(args, kwargs)
         spec = None
-        for method in self._config.capture:
+        if source is not None and not obstacles:
+            spec = self._reuse(source, args, kwargs, record)
+        for method in self._config.capture if spec is None else ():
             if method != "dynamo" and obstacles:
                 record.attempts.append((method, "skipped: " + "; ".join(obstacles)))
                 continue
@@ -336,6 +423,29 @@ class Capturer:
                 remove_hooks(self.module, hook_keys(self.module) - hooks)
         return values
 
+    def _reuse(self, source: Source, args: tuple[Any, ...], kwargs: dict[str, Any],
+               record: CaptureRecord) -> Compiled | None:
+        """The passes, backend choice and verification run on ``source``'s exported graph
+        for these inputs; None where that fails (the capture methods follow)."""
+        index = next((i for i, c in enumerate(self.report.captures) if c is source.record), -1)
+        what = f"the graph exported for [{index}] {source.record.inputs}, no new export"
+        log.info("capture: optimizing %s", what)
+        try:
+            with memory_profile.stage("capture reused export"):
+                spec = self._from_graph(source.graph, args, kwargs, record)
+        except ConfigError:
+            raise  # the user's options (an unmeetable memory_budget): no method helps
+        except Exception as exc:  # noqa: BLE001 - then export anew, as without it
+            log.info("the exported graph does not serve this call (%s); capturing anew", exc)
+            record.attempts.append(("reused export", _reason(exc)))
+            record.passes, record.verification = [], None
+            record.nodes_before = record.nodes_after = record.subgraphs = 0
+            record.memory_plan = None
+            record.backends = []
+            return None
+        record.reused = what
+        return spec
+
     # --- capture methods, tried in config.capture order -----------------------------------
 
     def _export(self, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -343,13 +453,19 @@ class Capturer:
         with memory_profile.stage("torch.export"):
             gm = capture_lib.export_graph(self.module, args, kwargs, self._dynamic,
                                           self._dynamic_shapes, self._output_types)
-        flat = capture_lib.flat_example_inputs(gm, args, kwargs)
-        gm = self._optimize_graph(gm, flat, args, kwargs, record, "export",
+        return self._from_graph(gm, args, kwargs, record)
+
+    def _from_graph(self, exported: GraphModule, args: tuple[Any, ...],
+                    kwargs: dict[str, Any], record: CaptureRecord) -> Compiled:
+        """An exported graph optimized, verified and lowered for these inputs."""
+        flat = capture_lib.flat_example_inputs(exported, args, kwargs)
+        gm = self._optimize_graph(exported, flat, args, kwargs, record, "export",
                                   lambda g: g)
         run = self._unless_unimproved(self._cuda_graph(gm, args, kwargs, record), record)
         run, backend = self._lower(gm, run, args, kwargs, record, None)
         return Compiled(signature_of(args, kwargs, self.module, gm), "export", run,
-                        graph_to_keep(gm, backend), backend=backend)
+                        graph_to_keep(gm, backend), backend=backend,
+                        source=Source(exported, record, list(self.written)))
 
     def _lower(self, gm: GraphModule, aten: Callable[..., Any], args: tuple[Any, ...],
                kwargs: dict[str, Any], record: CaptureRecord,
@@ -560,6 +676,20 @@ class Capturer:
         if "sets" not in reference:  # the same input objects each call, so ids key the memo
             reference["sets"] = input_sets(args, kwargs, self._config.random_inputs)
         return check_all(run_pair, reference["sets"], self._config.verification_tolerances)
+
+
+def _constant_bytes(spec: Compiled) -> int:
+    """The bytes of the constants a dropped graph holds of its own (folded, merged and
+    converted weights), its packed kernels' copies released now; a compiled engine's
+    constants (Inductor's frozen weights) counted as the weights they copy."""
+    graphs = {id(g): g for g in (spec.graph, spec.run) if isinstance(g, GraphModule)}
+    total = 0
+    for gm in graphs.values():
+        release_packed(gm)  # freed now: nothing else holds them; a call would pack again
+        total += sum(b.numel() * b.element_size() for b in gm.buffers() if is_read_only(b))
+    if spec.backend not in ("", "hybrid"):
+        total += sum(t.numel() * t.element_size() for t in spec.watched or ())
+    return total
 
 
 def _state_values(values: dict[StateKey, Any]) -> dict[str, Any]:

@@ -1,0 +1,147 @@
+"""Re-captures a real loop pays: a call with gradients on a model optimized for inference, a
+validation call after each optimizer step, a new sequence length. Each is correct either way;
+these tests hold that the work is not done again (no second ``torch.export``, no capture per
+validation, no capture per length) and that the results still match eager's."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import autoopt
+
+
+class ConvBnNet(nn.Module):
+    """A convolution with BatchNorm (folded in an inference graph) and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8 * 10 * 10, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+def _net() -> ConvBnNet:
+    torch.manual_seed(0)
+    model = ConvBnNet()
+    with torch.no_grad():  # statistics that are not the identity, so folding them matters
+        model.bn.running_mean.uniform_(-0.5, 0.5)
+        model.bn.running_var.uniform_(0.5, 2.0)
+        model.bn.weight.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.fixture
+def exports(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[object]]:
+    """Every ``torch.export.export`` call made while the test runs."""
+    calls: list[object] = []
+    real = torch.export.export
+
+    def counting(*args: object, **kwargs: object) -> object:
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", counting)
+    yield calls
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_call_with_gradients_on_an_eval_model_says_so_and_exports_nothing(
+        exports: list[object], caplog: pytest.LogCaptureFixture) -> None:
+    """``fast = optimize(model.eval(), (x,))`` then ``fast(x)`` without ``no_grad``, as
+    ``torch.compile`` users write it: the call needs a graph that keeps gradients, built from
+    the graph already exported, and a log line says what is built and how to avoid it."""
+    model = _net().eval()
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 3, 12, 12)
+    fast = autoopt.optimize(model, (x,))
+    assert len(exports) == 1
+    with caplog.at_level(logging.WARNING, logger="autoopt"):
+        y = fast(x)
+    assert len(exports) == 1  # no second export
+    assert len(fast.report.captures) == 2
+    assert fast.report.captures[1].reused.startswith("the graph exported for [0]")
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "gradients" in said and "torch.no_grad()" in said
+    # The gradient graph is the model's function, gradients included.
+    expected = twin(x)
+    _close(y, expected)
+    y.square().sum().backward()
+    expected.square().sum().backward()
+    for (name, p), q in zip(fast.module.named_parameters(), twin.parameters(), strict=True):
+        assert p.grad is not None, name
+        _close(p.grad, q.grad)
+    # Inference calls still run the inference graph; the gradient graph serves later calls.
+    with torch.no_grad():
+        _close(fast(x), twin(x))
+    fast(x)
+    assert len(fast.report.captures) == 2 and len(exports) == 1
+
+
+def test_validation_after_each_optimizer_step_rebuilds_without_a_capture(
+        exports: list[object]) -> None:
+    """train, step, eval, a ``no_grad`` validation call, round after round: the inference
+    graph folded BatchNorm and packed the weights, so each step makes it stale, but it is
+    rebuilt from its exported graph (the passes run again, no export, no new capture in the
+    report), and each validation matches eager with the trained weights."""
+    model = _net()
+    twin = copy.deepcopy(model)
+    x, v = torch.randn(4, 3, 12, 12), torch.randn(4, 3, 12, 12)
+    fast = autoopt.optimize(model, (x,))
+    fast_opt = torch.optim.SGD(fast.parameters(), lr=0.05, momentum=0.9)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+    captures = exported = -1
+    for step in range(4):
+        for net, opt in ((fast, fast_opt), (twin, twin_opt)):
+            net.train()
+            opt.zero_grad()
+            net(x).square().mean().backward()
+            opt.step()
+            net.eval()
+        with torch.no_grad():
+            _close(fast(v), twin(v))
+            _close(fast(v), twin(v))
+        if step == 0:  # the first validation captures the inference graph
+            captures, exported = len(fast.report.captures), len(exports)
+        assert (len(fast.report.captures), len(exports)) == (captures, exported), step
+    inference = fast.report.captures[-1]
+    assert inference.rebuilds == 3
+    with torch.no_grad():  # the rebuilt graph is still optimized: BatchNorm folded
+        graph = fast.graph_for((v,))
+    assert graph is not None
+    assert not any("batch_norm" in str(n.target) for n in graph.graph.nodes)
+    assert "rebuilt 3 time(s)" in str(fast.report)
+
+
+def test_a_rebuilt_graph_sees_every_kind_of_weight_write(exports: list[object]) -> None:
+    """In-place, through ``.data`` and by ``load_state_dict``: each is rebuilt, not
+    exported again, and computes with the new values."""
+    model = _net().eval()
+    x = torch.randn(2, 3, 12, 12)
+    with torch.no_grad():
+        fast = autoopt.optimize(model, (x,))
+        twin = copy.deepcopy(fast.module)
+        for write in (lambda m: m.conv.weight.mul_(-1), lambda m: m.bn.running_var.mul_(3),
+                      lambda m: m.head.weight.data.mul_(0.5),
+                      lambda m: m.load_state_dict(_other_state())):
+            write(fast.module)
+            write(twin)
+            _close(fast(x), twin(x))
+    assert len(exports) == 1 and len(fast.report.captures) == 1
+    assert fast.report.captures[0].rebuilds == 4
+
+
+def _other_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(1)
+    return ConvBnNet().state_dict()
