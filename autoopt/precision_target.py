@@ -138,10 +138,14 @@ def check_applied(cfg: OptimizeConfig, report: Report) -> None:
         reason = (f"no compute-heavy op could run in {cfg.precision} within the tolerance "
                   f"{cfg.precision_tolerance:g} (inference), or no op, or not the whole "
                   f"training step with its casts, measured faster than fp32 (training)")
+    # The pass's own reason may give the force hint already (int8 measured slower): once.
+    force = ("" if "'force'" in reason else
+             ", or pass_options={'precision': {'force': True}} to cast where it measures "
+             "slower")
     raise ConfigError(f"precision='{cfg.precision}' cannot apply to this model: {reason}. It "
-                      f"would run in fp32: drop precision= for that, pass a larger "
-                      f"tolerance= where the error decided, or pass_options={{'precision': "
-                      f"{{'force': True}}}} to cast where it measures slower.")
+                      f"would run in fp32: drop precision= for that"
+                      + (", or" if not force else ",")
+                      + f" pass a larger tolerance= where the error decided{force}.")
 
 
 def export_config(config: OptimizeConfig | Mapping[str, Any] | None, precision: str | None,

@@ -81,3 +81,23 @@ def test_the_backend_choice_is_short_lines() -> None:
     assert any(line.startswith("      not onnxruntime: failed to lower: ModelSpecError")
                and line.endswith("...") for line in lines)
     assert report.backends[0].skipped["onnxruntime"] == _ORT_ERROR
+
+
+@pytest.mark.parametrize("reason, hints", [
+    ("int8 measured slower than fp32 on each of the 2 linear(s) (the first: fc); "
+     "pass_options={'precision': {'force': True}} quantizes anyway", 1),
+    ("in low precision the graph's error would be 0.3 > 0.02", 1)])
+def test_the_force_hint_is_given_once(reason: str, hints: int) -> None:
+    """The int8 refusal said ``pass_options={'precision': {'force': True}}`` twice: in the
+    pass's reason and again in the error around it."""
+    from autoopt.config import OptimizeConfig
+    from autoopt.errors import ConfigError
+    from autoopt.precision_target import check_applied
+    from autoopt.report import PassRecord
+
+    report = Report([CaptureRecord("x", "export", passes=[
+        PassRecord("precision", "unchanged", reason=reason)])])
+    with pytest.raises(ConfigError) as error:
+        check_applied(OptimizeConfig(precision="int8"), report)
+    assert str(error.value).count("'force': True") == hints, str(error.value)
+    assert reason in str(error.value)
