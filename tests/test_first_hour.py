@@ -101,3 +101,53 @@ def test_the_force_hint_is_given_once(reason: str, hints: int) -> None:
         check_applied(OptimizeConfig(precision="int8"), report)
     assert str(error.value).count("'force': True") == hints, str(error.value)
     assert reason in str(error.value)
+
+
+def test_kineto_s_noise_is_dropped_and_everything_else_kept(
+        capfd: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    from autoopt.diagnose.quiet import quiet_kineto
+
+    usdt = b"USDT:2026-12-03 18:48:15 28027:28027 SyncActivityProfilerHandler.cpp:39] " \
+           b"profiler_start\n"
+    no_gpu = b"ERROR:2026-12-03 18:48:15 28027:28027 DeviceProperties.cpp:56] " \
+             b"gpuGetDeviceCount failed with code 35\n"
+    other = b"ERROR:2026-12-03 18:48:15 28027:28027 CuptiActivityApi.cpp:12] CUPTI failed\n"
+    for gpu in (False, True):
+        with quiet_kineto(gpu=gpu):
+            for line in (usdt, no_gpu, other, b"a line of the user's\n"):
+                os.write(2, line)
+        err = capfd.readouterr().err
+        assert "USDT" not in err and "CUPTI failed" in err and "a line of the user's" in err
+        assert ("gpuGetDeviceCount" in err) is gpu  # news where a GPU was asked for
+
+
+def test_diagnose_prints_nothing_of_the_profiler_s(capfd: pytest.CaptureFixture[str]) -> None:
+    """On a CPU machine with the CUDA build of torch, every diagnose printed Kineto's USDT
+    lines and ``gpuGetDeviceCount failed`` (nothing to see with a CPU-only build)."""
+    import autoopt
+
+    autoopt.diagnose(_Mlp().eval(), torch.randn(2, 16), steps=2, roofline=False)
+    err = capfd.readouterr().err
+    assert "USDT" not in err and "gpuGetDeviceCount" not in err, err
+
+
+def test_autoopt_s_inductor_compile_does_not_warn_of_a_missing_cuda_runtime() -> None:
+    """The CUDA build of torch on a machine without a GPU logs ``No CUDA runtime is found``
+    when Inductor first imports its C++ extension helpers (nothing to see elsewhere)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import torch
+        from autoopt.backends import inductor
+        gm = torch.export.export(torch.nn.Linear(4, 4), (torch.randn(2, 4),)).module()
+        inductor.lower(gm, dynamic=False, gradients=False)
+        import torch._inductor.codecache, torch.utils.cpp_extension
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "No CUDA runtime is found" not in done.stderr, done.stderr

@@ -100,6 +100,7 @@ def lower(gm: GraphModule, example: tuple[tuple[Any, ...], dict[str, Any]] | Non
     inputs are not the model's), goes through ``torch.compile`` and compiles on its first
     call. Weights are not frozen: the graph reads the user's (and autoopt's packed copies).
     """
+    inductor.quiet_cpp_extension()
     graph = copy_graph_module(gm)
     table = _opaque_to_op(graph)
     options = {"freezing": False, **inductor.config_of(settings, dynamic)}

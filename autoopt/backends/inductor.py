@@ -87,6 +87,7 @@ def lower(gm: GraphModule, *, dynamic: bool, gradients: bool,
     ``options`` (``autoopt.backends.INDUCTOR_OPTIONS``); freezing is on for inference and
     ``fallback_random`` with gradients, unless they say otherwise.
     """
+    quiet_cpp_extension()
     # With gradients, random ops (dropout) run as ATen's: the same draws as eager's from the
     # same RNG, so a training step verifies against eager (Inductor's own masks differ).
     options = {"freezing": not gradients, "fallback_random": gradients,
@@ -204,6 +205,25 @@ def config_of(settings: dict[str, Any] | None, dynamic: bool | None = None) -> d
                 config[key] = value
     config.update(settings.get("options") or {})
     return config
+
+
+def quiet_cpp_extension() -> None:
+    """Import ``torch.utils.cpp_extension`` (Inductor's CPU compiles do) without its warning
+    ``No CUDA runtime is found, using CUDA_HOME=...``, which the CUDA build of torch logs on
+    a machine without a GPU: noise in every autoopt run there, provoked by autoopt's compile.
+    Its other records pass."""
+    if "torch.utils.cpp_extension" in sys.modules:
+        return  # imported already: whatever it said was said
+
+    def no_cuda_runtime(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No CUDA runtime is found")
+
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    logger.addFilter(no_cuda_runtime)
+    try:
+        import torch.utils.cpp_extension  # noqa: F401
+    finally:
+        logger.removeFilter(no_cuda_runtime)
 
 
 def available() -> str:

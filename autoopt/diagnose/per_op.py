@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..cost_model import CostModel, GraphCost, device_info
+from .quiet import quiet_kineto
 from .workload import Progress, Workload
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def profile_ops(w: Workload, batches: Iterator[Any], steps: int, progress: Progr
     activities = [ProfilerActivity.CPU]
     if w.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
+    with quiet_kineto(gpu=w.device.type == "cuda"), profile(activities=activities) as prof:
         for _ in progress(range(steps), "profiled steps"):
             w.step(batches)
     events = prof.events()
