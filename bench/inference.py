@@ -56,8 +56,13 @@ from cost_model_accuracy import first_tensor, publish  # noqa: E402
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 # Peers autoopt is measured against in the best-of column (autoopt's own ONNX file is not one).
-PEERS = ("torch.compile", "compile+freezing", "compile max-autotune", "onnxruntime")
+PEERS = ("torch.compile", "compile+freezing", "compile max-autotune", "onnxruntime",
+         "openvino")
 ORT_LABELS = ("onnxruntime", "autoopt→onnxruntime")
+# Reduced precision, each engine's own way (CPU): OpenVINO at its default inference precision
+# (bf16 where the CPU has it), torch.compile under bf16 autocast, autoopt with precision="bf16".
+BF16_PEERS = ("openvino default", "compile+bf16 autocast")
+BF16_LABELS = (*BF16_PEERS, "autoopt bf16")
 
 
 def _image(factory: Callable[[], nn.Module]) -> Callable[[int], tuple[nn.Module, Inputs]]:
@@ -110,6 +115,52 @@ def _ort_runner(path: str, args: tuple, device: torch.device, plain: bool) -> Ca
     names = [i.name for i in plain_session.get_inputs()]
     feed = dict(zip(names, [a.numpy() for a in tensors], strict=False))
     return lambda: torch.from_numpy(plain_session.run(None, feed)[0])
+
+
+def _autocast(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return compiled(*args, **kwargs)
+    return call
+
+
+def _openvino_builds(model: nn.Module, args: tuple, kwargs: dict, skip: frozenset[str],
+                     ) -> dict[str, Callable[[], Callable[..., Any]]]:
+    """OpenVINO as its users run a PyTorch model: ``openvino.convert_model`` on the module
+    with the example inputs, compiled for the CPU with torch's thread count and a latency
+    hint, in f32 (``openvino``) and at its default inference precision (``openvino
+    default``: bf16 where the CPU has it). Empty where OpenVINO is not installed."""
+    try:
+        import openvino as ov
+    except ImportError:
+        return {}
+    converted: list[Any] = []
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+
+    class Bound(nn.Module):  # the model's first output, its keyword settings bound
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+            return first_tensor(self.model(*inputs, **kwargs))
+
+    def build(hint: str | None) -> Callable[..., Any]:
+        if not converted:
+            with torch.no_grad():
+                converted.append(ov.convert_model(Bound().eval(), example_input=tuple(tensors)))
+        config: dict[str, Any] = {"INFERENCE_NUM_THREADS": torch.get_num_threads(),
+                                  "PERFORMANCE_HINT": "LATENCY"}
+        if hint:
+            config["INFERENCE_PRECISION_HINT"] = hint
+        compiled = ov.Core().compile_model(converted[0], "CPU", config)
+        request = compiled.create_infer_request()
+        arrays = [t.numpy() for t in tensors]
+        return lambda *_, **__: torch.from_numpy(
+            request.infer(arrays, share_inputs=True, share_outputs=False)[compiled.outputs[0]])
+
+    builds = {"openvino": lambda: build("f32"), "openvino default": lambda: build(None)}
+    return {label: fn for label, fn in builds.items() if label not in skip}
 
 
 def _synchronized(run: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
@@ -185,13 +236,22 @@ def bench_one(name: str, batch: int, rounds: int, device: str = "cpu",
         runners["eager"] = lambda: model(*args, **kwargs)
         builds: dict[str, Callable[[], Callable[..., Any]]] = {
             "autoopt": lambda: autoopt.optimize(model, args, kwargs)}
+        if target.type == "cpu":
+            builds["autoopt bf16"] = lambda: autoopt.optimize(model, args, kwargs,
+                                                              precision="bf16")
+            bf16_copy = copy.deepcopy(model)
+            builds["compile+bf16 autocast"] = lambda: _autocast(torch.compile(bf16_copy))
         for label, compile_fn in _compilers(target).items():
             if label in skip:
                 continue
             # Each variant compiles its own copy, made outside its time and memory.
             own_copy = copy.deepcopy(model)
             builds[label] = lambda compile_fn=compile_fn, own_copy=own_copy: compile_fn(own_copy)
+        if target.type == "cpu" and not {"openvino", "openvino default"} <= skip:
+            builds.update(_openvino_builds(model, args, kwargs, skip))
         for label, build in builds.items():
+            if label in skip:
+                continue
             try:
                 before, start = _rss_mib(), time.perf_counter()
                 built = build()
@@ -235,8 +295,9 @@ def bench_one(name: str, batch: int, rounds: int, device: str = "cpu",
                     print(f"  {label} failed on {name}: {type(exc).__name__}: {exc}",
                           file=sys.stderr)
             reference = first_tensor(runners["eager"]())
-            errors = {k: float((first_tensor(r()) - reference).abs().max())
+            errors = {k: float((first_tensor(r()).float() - reference).abs().max())
                       for k, r in runners.items()}
+            scale = float(reference.abs().max())
             times: dict[str, list[float]] = {k: [] for k in runners}
             for half in range(2):
                 if half == 1:
@@ -265,7 +326,7 @@ def bench_one(name: str, batch: int, rounds: int, device: str = "cpu",
             times["autoopt→onnxruntime"], times["onnxruntime"], strict=True))
     return {"model": name, "batch": batch, "median": median, "prepare": prepare,
             "memory": memory, "errors": errors, "failures": failures, "ort_ratio": ort_ratio,
-            "flops": flops, "backends": backends}
+            "flops": flops, "backends": backends, "scale": scale}
 
 
 def optimize_once(name: str, batch: int, device: str) -> dict[str, Any]:
@@ -413,9 +474,12 @@ def table(rows: list[dict[str, Any]], threads: int, device: str = "cpu",
              f"torch.compile | {compiled} | onnxruntime | autoopt→onnxruntime | "
              "autoopt ÷ best peer | GFLOP | % of peak autoopt / best peer | "
              "optimize s fresh process: first / second (ratio) | autoopt prepare s | "
-             "compile s | held MiB | autoopt err | autoopt→ORT ÷ ORT |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    over_eager, over_peer = [], []
+             "compile s | held MiB | autoopt err | autoopt→ORT ÷ ORT | openvino | "
+             "openvino default (err) | compile+bf16 autocast (err) | autoopt bf16 (err) | "
+             "autoopt bf16 ÷ best bf16 peer |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+             "---|---|---|---|---|"]
+    over_eager, over_peer, over_bf16 = [], [], []
     for r in rows:
         m, p = r["median"], r["prepare"]
         eager = m["eager"]
@@ -434,6 +498,17 @@ def table(rows: list[dict[str, Any]], threads: int, device: str = "cpu",
                 roofline = f"{r['flops'] / m['autoopt'] / peak_flops:.0%}"
                 if peer is not None:
                     roofline += f" / {r['flops'] / peer[1] / peak_flops:.0%}"
+        for label in ("openvino", *BF16_LABELS):
+            cell[label] = _cell(r, label)
+        bf16_ratio = "—"
+        bf16_peers = {k: m[k] for k in BF16_PEERS if k in m}
+        if "autoopt bf16" in m and bf16_peers:
+            best = min(bf16_peers, key=bf16_peers.__getitem__)
+            over_bf16.append(bf16_peers[best] / m["autoopt bf16"])
+            bf16_ratio = f"{over_bf16[-1]:.2f}× (vs {best})"
+        bf16_cells = (f" {cell['openvino']} | {cell['openvino default']} | "
+                      f"{cell['compile+bf16 autocast']} | {cell['autoopt bf16']} | "
+                      f"{bf16_ratio} |")
         held = " / ".join(f"{r['memory'][k]:.0f}" if k in r["memory"] else "—"
                           for k in ("autoopt", "torch.compile", compiled))
         compile_s = " / ".join(f"{p[k]:.1f}" if k in p else "—"
@@ -447,9 +522,10 @@ def table(rows: list[dict[str, Any]], threads: int, device: str = "cpu",
             f"{p['autoopt']:.1f} | {compile_s} | {held} | "
             f"{format(r['errors']['autoopt'], '.1e') if 'autoopt' in r['errors'] else '—'} | "
             f"{'—' if r.get('ort_ratio') is None else format(r['ort_ratio'], '.3f')} |"
+            + bf16_cells
             if "autoopt" in p else
             f"| {r['model']} | {r['batch']} | {eager * 1e3:.1f} | {cell['autoopt']} |"
-            + " |" * 14)
+            + " |" * 14 + bf16_cells)
     lines.append("")
     if over_eager:
         lines.append(f"Geometric mean over the {len(over_eager)} rows: autoopt "
@@ -458,7 +534,25 @@ def table(rows: list[dict[str, Any]], threads: int, device: str = "cpu",
                         f"(target ≥ 1.05×; every row ≥ 0.97×: "
                         f"{sum(v >= 0.97 for v in over_peer)} of {len(over_peer)} rows)"
                         if over_peer else "") + ".")
+    if over_bf16:
+        lines.append(f"bf16: autoopt precision=\"bf16\" over the faster of OpenVINO's default "
+                     f"precision and torch.compile + bf16 autocast, geometric mean over "
+                     f"{len(over_bf16)} rows: {statistics.geometric_mean(over_bf16):.2f}× "
+                     f"(target: ≥ 1.0× on every row: {sum(v >= 1.0 for v in over_bf16)} of "
+                     f"{len(over_bf16)}).")
     return "\n".join(lines) + "\n"
+
+
+def _cell(r: dict[str, Any], label: str) -> str:
+    """A runner's time and speedup over eager, with its error against eager fp32 for a
+    reduced-precision runner (relative to the output's largest magnitude)."""
+    m, why = r["median"], r.get("failures", {})
+    if label not in m:
+        return "skipped" if label not in why else f"failed: {why[label]}"
+    text = f"{m[label] * 1e3:.1f} ms ({m['eager'] / m[label]:.2f}×)"
+    if label in BF16_LABELS and label in r["errors"] and r.get("scale"):
+        text += f" err {r['errors'][label] / r['scale']:.1%}"
+    return text
 
 
 def section(tables: list[str], command: str, device: str, optimize_times_on: bool) -> str:

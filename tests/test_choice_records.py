@@ -129,3 +129,25 @@ def test_two_models_of_one_class_get_their_own_folded_constants_from_the_onnx_ca
                                 disable=("constant_fold",))
         with torch.no_grad():
             torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_under_bf16_onnx_runtime_is_skipped_with_why_before_it_is_built(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """ONNX Runtime's CPU provider has no bf16 matrix multiply: the candidate is not built
+    (an export and a session, to fail with ONNX Runtime's raw error), it is skipped with that
+    reason."""
+    if ort.unsupported_dtypes(_bf16_graph(), "cpu") == "":
+        pytest.skip("this ONNX Runtime runs bf16 matrix multiplies on the CPU")
+    built: list[int] = []
+    real = ort.lower
+    monkeypatch.setattr(ort, "lower", lambda *a, **k: built.append(1) or real(*a, **k))
+    model, args = cnn()
+    fast = autoopt.optimize(model, args, backends=BACKENDS, precision="bf16",
+                            pass_options={"precision": {"force": True}})
+    (choice,) = fast.report.backends
+    assert "no bfloat16 matrix multiply" in choice.skipped["onnxruntime"]
+    assert not built
+
+
+def _bf16_graph() -> torch.fx.GraphModule:
+    return torch.fx.symbolic_trace(nn.Linear(4, 4).to(torch.bfloat16))

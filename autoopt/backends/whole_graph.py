@@ -117,7 +117,7 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
                 "the graph writes its inputs in place (a KV cache); an ONNX graph returns "
                 "new values and cannot" if written_placeholders(source) else
                 f"no ONNX Runtime provider for {device.type}" if device.type not in
-                ("cpu", "cuda") else "")
+                ("cpu", "cuda") else ort.unsupported_dtypes(source, device))
             if why:
                 skipped[name] = why
             else:
