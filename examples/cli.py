@@ -1,0 +1,24 @@
+"""The README's command-line examples, run as written, then the saved program loaded back.
+
+Run from this folder (``my_model.py`` is here): ``python cli.py``.
+"""
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import torch
+
+os.chdir(Path(__file__).resolve().parent)  # where my_model.py is; net.pt2 is written here
+COMMANDS = """
+autoopt optimize torchvision.models:resnet18 --input 1x3x224x224
+autoopt optimize my_model.py:Net --input input_ids=2x128:int64 --dynamic batch --save net.pt2
+"""
+for command in COMMANDS.strip().splitlines():
+    print(f"$ {command}", flush=True)
+    subprocess.run(shlex.split(command), check=True)
+
+net = torch.export.load("net.pt2").module()               # plain torch: no autoopt needed
+logits = net(input_ids=torch.randint(0, 100, (8, 128)))   # named inputs: keywords only
+print(logits.shape)

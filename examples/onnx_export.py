@@ -1,0 +1,31 @@
+"""ONNX export checked under ONNX Runtime, and running the file (README "ONNX",
+docs/onnx.md). A tiny BERT from a config: random weights, nothing downloaded."""
+
+import torch
+import transformers
+
+import autoopt
+
+config = transformers.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, intermediate_size=128)
+model = transformers.BertModel(config).eval()
+ids = torch.randint(0, 1000, (2, 32))
+mask = torch.ones_like(ids)
+report = autoopt.export_onnx(model, (ids,), "bert.onnx", example_kwargs={"attention_mask": mask},
+                             dynamic=("batch", "sequence"))
+print(report)         # exporter, opset, inputs/outputs, nodes before/after ORT, max error
+session = autoopt.onnx_session("bert.onnx")        # device="cuda": TensorRT, CUDA, CPU
+hidden, pooled = session(ids, attention_mask=mask)  # torch tensors in and out
+print(hidden.shape, pooled.shape)
+
+# The same from the command line, then the file run under ONNX Runtime on random inputs.
+import shlex  # noqa: E402
+import subprocess  # noqa: E402
+
+COMMANDS = """
+autoopt export torchvision.models:resnet18 --input 2x3x64x64 -o resnet18.onnx --dynamic batch
+autoopt run resnet18.onnx --input x=8x3x64x64 --bench 20
+"""
+for command in COMMANDS.strip().splitlines():
+    print(f"$ {command}", flush=True)
+    subprocess.run(shlex.split(command), check=True)
