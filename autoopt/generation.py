@@ -340,6 +340,23 @@ def _returned_cache(cache: Any, module: nn.Module, static_length: int | None) ->
     return EncoderDecoderCache(*pair) if None not in pair else None
 
 
+def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    return dict(itertools.chain(module.named_parameters(remove_duplicate=False),
+                                module.named_buffers(remove_duplicate=False)))
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (type(a) is type(b) and a.shape == b.shape and a.dtype == b.dtype
+            and a.device == b.device and a.stride() == b.stride() and torch.equal(a, b))
+
+
+def _swappable(t: torch.Tensor) -> bool:
+    """Whether ``t`` can take another C++ tensor in place (``torch.utils.swap_tensors``):
+    nothing else holds its own (an autograd graph, a gradient) nor hooks on it."""
+    return (type(t) in (torch.Tensor, nn.Parameter) and t.is_leaf and t.grad is None
+            and not t._backward_hooks and t._use_count() == 1)
+
+
 def _float_layout(module: nn.Module) -> frozenset[tuple[torch.dtype, torch.device]]:
     return frozenset((t.dtype, t.device) for t in itertools.chain(module.parameters(),
                                                                    module.buffers())
@@ -448,11 +465,42 @@ class Generator:
                                   self._optimized.module.buffers())
         weights = tuple((id(t), t.data_ptr()) for t in tensors)
         if weights != self._weights:
-            if self._steps:
+            same_tensors = [a[0] for a in weights] == [b[0] for b in self._weights]
+            if self._steps and not (same_tensors and self._follow_moved_memory()):
                 log.info("generate: the module's weights moved to other memory since the "
                          "step graphs were built; building them again")
-            self._steps.clear()
+                self._steps.clear()
             self._weights = weights
+
+    def _follow_moved_memory(self) -> bool:
+        """Point every step module's tensors at the memory ``fast.module``'s tensors moved to,
+        where each holds the same values as the step's (the module took memory of its own
+        apart from your model's: ``fast(x)`` with gradients enabled, a training call); True
+        if done. The steps then see the module's later writes as before (the same memory and
+        version counters), with no graph built again: a plain call between generate calls
+        dropped both step graphs (7 s to build again) and kept the weights twice."""
+        own = _named_tensors(self._optimized.module)
+        moves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for step in self._steps.values():
+            copy_of = getattr(step.module, "model", None)
+            theirs = _named_tensors(copy_of) if isinstance(copy_of, nn.Module) else {}
+            if theirs.keys() != own.keys():
+                return False
+            for name, mine in own.items():
+                held = theirs[name]
+                if held.data_ptr() == mine.data_ptr() or id(held) in moves:
+                    continue
+                if not _same_values(held, mine) or not _swappable(held):
+                    return False  # other values (p.data = ...): the graphs' are stale
+                moves[id(held)] = (held, mine)
+        for held, mine in moves.values():
+            alias = mine.detach()  # its memory and its version counter
+            if type(held) is nn.Parameter:
+                alias = nn.Parameter(alias, requires_grad=held.requires_grad)
+            torch._C._swap_tensor_impl(held, alias)  # the Python object and its __dict__ kept
+        for step in self._steps.values():
+            step.memory_moved()
+        return True
 
     def remember_layout(self, cache: Any) -> None:
         """Record the shapes the model's first step gave each cache layer (heads, head

@@ -155,6 +155,14 @@ class OptimizedModule(nn.Module):
         ``specialization_for``); None where the model runs through Dynamo or eagerly."""
         return self.specialization_for(args, kwargs).graph
 
+    def memory_moved(self) -> None:
+        """The module's tensors were given other memory holding the same values, by whoever
+        shares them (``autoopt.generation`` points a step module at ``fast.module``'s own
+        memory once that module stops sharing yours): the graphs hold; the per-call check
+        compares against the tensors as they are now."""
+        with self._lock:
+            self._take_fingerprint()
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         GATE.wait_for_captures()
         training = self._checked()

@@ -4,9 +4,12 @@ sizes, source lengths, a plain call with gradients between generate calls)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
+from checks import assert_bit_identical, snapshot
 from torch import nn
 
 import autoopt
@@ -150,3 +153,31 @@ def test_four_batch_sizes_keep_their_graphs() -> None:
                 built = {id(step) for step in fast._generator._steps.values()}
     assert len(built) == 8  # a prompt and a decode step module per batch size
     assert {id(step) for step in fast._generator._steps.values()} == built
+
+
+def test_a_call_with_gradients_keeps_the_generate_graphs() -> None:
+    """``fast(x)`` with gradients enabled gives ``fast.module`` memory of its own apart from
+    your model's: every step graph was dropped (they read the old memory) and the next
+    generate built both again. The steps follow the module to its memory, graphs kept, and
+    see its later writes (an optimizer step's) as before."""
+    model = _decoder(num_hidden_layers=1)
+    before = snapshot(model)
+    ids = _ids()
+    fast = autoopt.optimize(model, (ids,), backends=("aten",))
+    options = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    for _ in range(2):  # the decode and the prompt graphs built
+        fast.generate(ids, **options)
+    steps = {id(step): len(step.report.captures) for step in fast._generator._steps.values()}
+    assert len(steps) == 2
+    fast(ids)  # gradients enabled: a training graph, the module's own memory
+    assert torch.equal(fast.generate(ids, **options), model.generate(ids, **options))
+    assert {id(s): len(s.report.captures) for s in fast._generator._steps.values()} == steps
+    reference = copy.deepcopy(model)
+    with torch.no_grad():  # an optimizer step's in-place write, on the module's own memory
+        for a, b in zip(fast.module.parameters(), reference.parameters(), strict=True):
+            a.mul_(0.5)
+            b.mul_(0.5)
+    want = reference.generate(ids, **options)
+    assert not torch.equal(want, model.generate(ids, **options))
+    assert torch.equal(fast.generate(ids, **options), want)
+    assert_bit_identical(model, before)  # yours: neither written nor re-pointed
