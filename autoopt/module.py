@@ -417,8 +417,10 @@ class OptimizedModule(nn.Module):
                        for b in m._buffers.values() if b is not None}
             watched = [t for t in self._watch.tensors if id(t) not in written
                        and not (differentiable and t.requires_grad)]
-            with GATE.capturing(), torch.random.fork_rng(devices=sorted(devices)), \
-                    _own_saved_tensors():
+            from .progress import reported  # a first call of new inputs: minutes, said
+
+            with reported("call: capturing new inputs"), GATE.capturing(), \
+                    torch.random.fork_rng(devices=sorted(devices)), _own_saved_tensors():
                 spec = self._build(args, kwargs, modes, differentiable)
             if self._capturer.kept_state:
                 # The probe kept what the forward's first call writes (a cache, a flag), as

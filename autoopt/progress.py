@@ -87,10 +87,15 @@ def _wanted() -> bool:
     return True
 
 
-class _Progress(logging.Handler):
-    """Takes the ``autoopt`` logger's records for the call (its level set to INFO, its
-    propagation off), keeps the latest for the progress line, and hands each warning on to
-    the handlers above as before."""
+class Ticker(logging.Handler):
+    """Keeps the latest INFO record's first line and, from another thread, writes
+    ``autoopt WHAT: 12 s: <that line>`` on ``stream`` once the work has run ``FIRST_S``
+    seconds, then whenever the record changed and ``FIRST_S`` passed, or ``EVERY_S`` did;
+    ``done in N s`` at the end where it wrote any. Nothing for work that ends sooner.
+
+    The command line attaches one when stderr is piped (a CI log, ``| tee``), where no
+    status line can be drawn; ``reported`` attaches ``_Progress``, one that takes the
+    ``autoopt`` logger for a library call."""
 
     def __init__(self, what: str, stream: TextIO) -> None:
         super().__init__(logging.INFO)
@@ -101,20 +106,13 @@ class _Progress(logging.Handler):
         self.shown = ""  # the record the last line showed
         self.last_line = 0.0  # seconds since the start at the last line; 0: none yet
         self.lines = 0
-        self.previous = (_LIBRARY.level, _LIBRARY.propagate)
-        _LIBRARY.addHandler(self)
-        _LIBRARY.setLevel(logging.INFO)
-        _LIBRARY.propagate = False
         self.stopped = threading.Event()
         self.ticker = threading.Thread(target=self._tick, name="autoopt-progress", daemon=True)
         self.ticker.start()
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.levelno >= logging.WARNING:
-            parent = _LIBRARY.parent
-            if parent is not None and record.levelno >= parent.getEffectiveLevel():
-                parent.handle(record)  # where it went before: the user's handlers, or stderr
-            return
+            return  # shown by the handlers for warnings
         try:
             first = record.getMessage().split("\n", 1)[0]
         except Exception:  # noqa: BLE001 - a record that cannot be formatted is not shown
@@ -124,9 +122,6 @@ class _Progress(logging.Handler):
     def close(self) -> None:
         self.stopped.set()
         self.ticker.join(timeout=1)
-        _LIBRARY.removeHandler(self)
-        _LIBRARY.setLevel(self.previous[0])
-        _LIBRARY.propagate = self.previous[1]
         if self.lines:
             self._write(f"done in {time.perf_counter() - self.start:.1f} s")
         super().close()
@@ -150,6 +145,33 @@ class _Progress(logging.Handler):
             self.lines += 1
         except Exception:  # noqa: BLE001 - a closed stream: progress is not worth an error
             pass
+
+
+class _Progress(Ticker):
+    """A ``Ticker`` that takes the ``autoopt`` logger's records for the call (its level set
+    to INFO, its propagation off) and hands each warning on to the handlers above as
+    before."""
+
+    def __init__(self, what: str, stream: TextIO) -> None:
+        self.previous = (_LIBRARY.level, _LIBRARY.propagate)
+        super().__init__(what, stream)
+        _LIBRARY.addHandler(self)
+        _LIBRARY.setLevel(logging.INFO)
+        _LIBRARY.propagate = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.WARNING:
+            parent = _LIBRARY.parent
+            if parent is not None and record.levelno >= parent.getEffectiveLevel():
+                parent.handle(record)  # where it went before: the user's handlers, or stderr
+            return
+        super().emit(record)
+
+    def close(self) -> None:
+        _LIBRARY.removeHandler(self)
+        _LIBRARY.setLevel(self.previous[0])
+        _LIBRARY.propagate = self.previous[1]
+        super().close()
 
 
 def clip(text: str, width: int) -> str:

@@ -476,6 +476,32 @@ def test_progress_with_v_is_timed_lines_and_piped_is_silent(
     assert logging.getLogger("autoopt").handlers == []  # nothing left attached
 
 
+def test_a_long_piped_command_says_now_and_then_what_it_does(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``autoopt report`` and ``generate`` ran for minutes in silence when piped: a line now
+    and then on stderr (lines, not a redrawn one), and the results alone on stdout."""
+    from autoopt import progress as library_progress
+
+    monkeypatch.setattr(library_progress, "FIRST_S", 0.1)
+    monkeypatch.setattr(library_progress, "EVERY_S", 0.2)
+
+    def optimize(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 **options: Any) -> SimpleNamespace:
+        logging.getLogger("autoopt.driver").info("pass fold_batchnorm")
+        time.sleep(1.5)
+        return SimpleNamespace(report="autoopt report (fake)")
+
+    monkeypatch.setattr("autoopt.api.optimize", optimize)
+    assert main(["optimize", "torch.nn:Identity", "--input", "2x3"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "autoopt report (fake)\n"
+    lines = err.splitlines()
+    assert len(lines) >= 2 and all(line.startswith("autoopt optimize: ") for line in lines)
+    assert any(line.endswith(" s: pass fold_batchnorm") for line in lines), lines
+    assert lines[-1].startswith("autoopt optimize: done in "), lines
+    assert "\r" not in err and logging.getLogger("autoopt").handlers == []
+
+
 def test_new_optimize_options_reach_the_config(monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     seen = _fake_optimize(monkeypatch)

@@ -76,3 +76,33 @@ def test_warnings_reach_the_handlers_they_reached_before(
         logging.getLogger("autoopt.test").info("not a warning")
     assert [r.getMessage() for r in caplog.records if r.name == "autoopt.test"] == [
         "a warning during the call"]
+
+
+def test_the_first_call_of_new_inputs_says_what_it_does(
+        quick: None, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Quick start's ``fast(torch.randn(4, 3, 224, 224))`` captured for 79 s in
+    silence: a call that captures new inputs reports like optimize."""
+    monkeypatch.setenv("AUTOOPT_PROGRESS", "0")
+    fast = _optimize()
+    capfd.readouterr()
+    monkeypatch.setenv("AUTOOPT_PROGRESS", "1")
+    with torch.no_grad():
+        fast(torch.randn(3, 4))  # another batch size: a new capture
+    lines = [line for line in capfd.readouterr().err.splitlines()
+             if line.startswith("autoopt call: capturing new inputs: ")]
+    assert len(lines) >= 2 and lines[-1].endswith(" s") and "done in" in lines[-1], lines
+
+
+def test_diagnosis_apply_says_what_it_does(quick: None, capfd: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Diagnosis.apply()`` ran for 307 s in silence."""
+    monkeypatch.setenv("AUTOOPT_PROGRESS", "0")
+    diagnosis = autoopt.diagnose(_Slow().eval(), torch.randn(2, 4), steps=2, roofline=False,
+                                 warmup=0, profile_steps=1)
+    capfd.readouterr()
+    monkeypatch.setenv("AUTOOPT_PROGRESS", "1")
+    diagnosis.apply(verify=False, backends=("aten",))
+    lines = [line for line in capfd.readouterr().err.splitlines()
+             if line.startswith("autoopt Diagnosis.apply: ")]
+    assert len(lines) >= 2 and "done in" in lines[-1], lines
+    assert any("timed steps" in line or "optimize" in line for line in lines[:-1]), lines

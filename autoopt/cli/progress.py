@@ -1,5 +1,6 @@
 """What a long command is doing, on stderr: a status line on a terminal, log lines with ``-v``,
-warnings only when stderr is piped.
+warnings and a progress line every few seconds (``autoopt.progress.Ticker``) when stderr is
+piped.
 
 Progress travels as ``logging`` records under the ``autoopt`` logger, so the CLI's own stages
 (``stage()``, logged by ``autoopt.cli``) and whatever the library logs while it captures,
@@ -17,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
-from ..progress import clip
+from ..progress import Ticker, clip
 
 log = logging.getLogger("autoopt.cli")
 _LIBRARY = logging.getLogger("autoopt")
@@ -60,16 +61,25 @@ def shown(command: str, verbose: bool, status_line: bool = True) -> Iterator[Non
     else:
         handler = logging.StreamHandler(stream)
         handler.setFormatter(logging.Formatter(_FORMAT))
+        handler.setLevel(logging.WARNING)
         level = logging.WARNING
+    # Piped (a CI log, | tee): no line can be redrawn, and a command of minutes was silent.
+    # A line now and then, as pip and Hugging Face write; nothing for a command of seconds.
+    # (On a terminal diagnose and report draw their own bars.)
+    ticker = Ticker(command, stream) if not verbose and not _is_terminal(stream) else None
+    handlers = [handler] + ([ticker] if ticker is not None else [])
     previous = _LIBRARY.level
-    _LIBRARY.addHandler(handler)
-    _LIBRARY.setLevel(level)
+    for each in handlers:
+        _LIBRARY.addHandler(each)
+    _LIBRARY.setLevel(logging.INFO if ticker is not None else level)
     try:
         yield
     finally:
-        _LIBRARY.removeHandler(handler)
+        for each in handlers:
+            _LIBRARY.removeHandler(each)
         _LIBRARY.setLevel(previous)
-        handler.close()
+        for each in handlers:
+            each.close()
         _status = None
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import statistics
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import progress as progress_lines
 from ..cost_model import GraphCost
 from ..errors import ConfigError, ModelError
 from .findings import Finding, Remedy, find_causes
@@ -43,6 +45,8 @@ from .per_op import OpTime, bound_by_op, profile_ops, roofline_cost, roofline_la
 from .sampler import Utilization, UtilizationSampler
 from .whole_step import StepOptions, copy_optimizer, fused_overrides, settings_off
 from .workload import Progress, StepTimes, Workload, batch_size
+
+log = logging.getLogger(__name__)
 
 # On a CPU: the process got under this share of its threads while the cores were this busy
 # (percent): other processes held the CPU.
@@ -106,6 +110,11 @@ class Diagnosis:
         if self.workload is None:
             raise ConfigError("this Diagnosis holds no workload to re-run (it was loaded or "
                               "copied); call autoopt.diagnose again")
+        with progress_lines.reported("Diagnosis.apply"):  # minutes: optimize, diagnose again
+            return self._apply(steps, _logged(progress), options)
+
+    def _apply(self, steps: int | None, progress: Progress, options: dict[str, Any],
+               ) -> BeforeAfter:
         from ..config import OptimizeConfig
 
         known = {f.name for f in dataclasses.fields(OptimizeConfig)}
@@ -241,6 +250,7 @@ class Diagnosis:
             candidates += self._cuda_candidates(notes)
         kept = StepOptions()
         for remedy, change, how in candidates:
+            log.info("timing the step with and without the %s", remedy)
             trial = dataclasses.replace(kept, **change)
             try:
                 without, with_ = self._time_options(fast, kept, trial, steps)
@@ -370,6 +380,7 @@ class BeforeAfter:
         return "\n".join(lines)
 
 
+@progress_lines.reporting("diagnose")
 def diagnose(model: nn.Module, data: Any, example_kwargs: Mapping[str, Any] | None = None, *,
              training: bool = False, steps: int = 10, warmup: int = 2, profile_steps: int = 2,
              device: str | torch.device | None = None,
@@ -417,7 +428,7 @@ def diagnose(model: nn.Module, data: Any, example_kwargs: Mapping[str, Any] | No
     if not isinstance(warmup, int) or warmup < 0 or not isinstance(profile_steps, int) \
             or profile_steps < 0:
         raise ConfigError("diagnose warmup and profile_steps must be integers >= 0")
-    progress = progress or (lambda it, desc: it)
+    progress = _logged(progress)
     workload = Workload(model, data, example_kwargs, device, training, unpack, loss_fn,
                         optimizer, step_options, keep_start=True)
     timings: list[tuple[float, float, float, float]] = []
@@ -447,6 +458,21 @@ def diagnose(model: nn.Module, data: Any, example_kwargs: Mapping[str, Any] | No
         diagnosis.notes.extend(flops.notes)
     diagnosis.notes.extend(_whole_step_notes(workload))
     return diagnosis
+
+
+def _logged(progress: Progress | None) -> Progress:
+    """``progress`` (or no bar) that also logs each loop's description: the step a progress
+    line names where no bar is shown (piped, or called from Python)."""
+    if getattr(progress, "logs", False):
+        return progress  # type: ignore[return-value]
+    bar = progress or (lambda iterable, description: iterable)
+
+    def logged(iterable: Any, description: str) -> Any:
+        log.info("%s", description)
+        return bar(iterable, description)
+
+    logged.logs = True  # type: ignore[attr-defined]
+    return logged
 
 
 def _applied(model: nn.Module, source: Any) -> dict[str, str]:
