@@ -216,7 +216,8 @@ class Capturer:
         # weights' values), and each costs a copy of the graph.
         known = {name for name, _ in config.passes}
         idle = {r.name for r in source.record.passes if r.status != "applied"} & known
-        self._config = dataclasses.replace(config, backends=(spec.backend or "aten",),
+        self._config = dataclasses.replace(config, backend=None,
+                                           backends=(spec.backend or "aten",),
                                            random_inputs=0,
                                            disable=tuple({*config.disable, *idle}))
         self.written = list(source.written)
