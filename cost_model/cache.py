@@ -13,10 +13,11 @@ import functools
 import importlib.metadata
 import json
 import logging
+import math
 import os
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,15 @@ def _autoopt_version() -> str:
         return "source"
 
 
+def _is_measurement(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value) and value >= 0
+
+
+def _clip(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def default_cache_dir() -> Path:
     """``$XDG_CACHE_HOME/autoopt``, else ``~/.cache/autoopt``."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -60,6 +70,7 @@ class CostCache:
         self.path = Path(path) if path is not None else None
         self.persistent = persistent and self.path is not None
         self._entries: dict[str, dict[str, Any]] = self._read() if self.persistent else {}
+        self._garbled: set[str] = set()  # entries warned about once
 
     @classmethod
     def default(cls) -> CostCache:
@@ -69,8 +80,26 @@ class CostCache:
     def in_memory(cls) -> CostCache:
         return cls(None, persistent=False)
 
-    def get(self, key: str) -> dict[str, Any] | None:
-        return self._entries.get(key)
+    def get(self, key: str, numbers: Iterable[str] | None = None) -> dict[str, Any] | None:
+        """The entry stored under ``key``, or None.
+
+        ``numbers``: the fields that hold measurements (all fields but ``method`` when
+        empty): an entry where one of them is not a finite number >= 0 (a damaged or
+        hand-edited file: a string where seconds belong) is ignored with a warning, so that
+        the caller measures again instead of failing."""
+        entry = self._entries.get(key)
+        if entry is None or numbers is None:
+            return entry
+        fields = list(numbers) or [k for k in entry if k != "method"]
+        if isinstance(entry, dict) and all(_is_measurement(entry.get(k)) for k in fields
+                                           if k in entry):
+            return entry
+        if key not in self._garbled:
+            self._garbled.add(key)
+            warnings.warn(f"autoopt: the cost cache's entry {_clip(key)} holds "
+                          f"{_clip(entry)} where measurements belong; ignoring it, measuring "
+                          f"again", stacklevel=2)
+        return None
 
     def __len__(self) -> int:
         return len(self._entries)

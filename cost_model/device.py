@@ -108,7 +108,7 @@ def device_info(device: str | torch.device = "cpu", *, measure: bool = True,
         return info
     cache = cache if cache is not None else CostCache.default()
     key = _key(info)
-    stored = cache.get(key)
+    stored = cache.get(key, ())
     if stored is None or remeasure or stored.get("method") != MEASURE_METHOD:
         ceilings = measure_ceilings(dev)
         if stored is not None and stored.get("method") == MEASURE_METHOD:

@@ -28,7 +28,7 @@ def matmul_flops(device: str | torch.device, dtype: torch.dtype,
         assert ceilings is not None
         return ceilings.matmul_flops if dtype == torch.float32 else ceilings.half_matmul_flops
     key = _key(dev, dtype)
-    stored = cache.get(key)
+    stored = cache.get(key, ("flops",))
     current = stored is not None and stored.get("method") == MEASURE_METHOD
     if current and not remeasure:
         return float(stored["flops"])  # type: ignore[index]

@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import statistics
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -42,11 +41,6 @@ log = logging.getLogger(__name__)
 # candidates that failed when it was made, with why.
 _NOTE = "#"
 _FAILED = "#failed"
-
-
-def _clip(value: Any, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 # Ops that write to their inputs run on clones, rotated so each repeat starts from fresh data.
 _MUTATED_COPIES = 2
@@ -186,7 +180,7 @@ class CostModel:
         nbytes = 0 if view else tensor_bytes((args, kwargs)) + out_bytes
         label = op_name(key_target)
         key = self.node_key(key_target, args, kwargs)
-        stored = self.cache.get(key)
+        stored = self.cache.get(key, ("latency_s", "saved_bytes"))
         if measured_s is None and stored is not None:
             measured_s, saved = stored["latency_s"], stored.get("saved_bytes", saved)
         if measured_s is not None:
@@ -201,7 +195,7 @@ class CostModel:
 
     def calibration(self) -> dict[str, float]:
         """measured / roofline, per op family, from this device's earlier measurements."""
-        return dict(self.cache.get(self._calibration_key()) or {})
+        return dict(self.cache.get(self._calibration_key(), ()) or {})
 
     # --- measurement -----------------------------------------------------------------------
 
@@ -354,20 +348,14 @@ class CostModel:
 
         A record that does not hold seconds (a damaged or hand-edited cache file: a string, a
         negative or infinite time) is ignored with a warning, and the choice measured again."""
-        key = self._fastest_key(what, names)
-        stored = self.cache.get(key)
+        stored = self.cache.get(self._fastest_key(what, names))
         if not stored:
             return None
-        seconds = {name: s for name, s in stored.items() if not name.startswith(_NOTE)}
+        seconds = [name for name in stored if not name.startswith(_NOTE)]
         if not set(seconds) <= set(names):
             return None
-        if not all(type(s) in (int, float) and math.isfinite(s) and s >= 0
-                   for s in seconds.values()):
-            warnings.warn(f"autoopt: the cost cache's record of {what!r} holds "
-                          f"{_clip(seconds)} where seconds belong; ignoring it, measuring again",
-                          stacklevel=2)
-            return None
-        return {name: float(s) for name, s in seconds.items()}
+        stored = self.cache.get(self._fastest_key(what, names), seconds)
+        return {name: float(stored[name]) for name in seconds} if stored else None
 
     def recorded_failures(self, what: str, names: Iterable[str]) -> dict[str, str]:
         """The candidates of a choice ``record`` stored that failed then, with why."""
@@ -475,7 +463,8 @@ class _NodeProfiler(Interpreter):
             return result  # arithmetic on sizes: no device work
         key_target = n.target if n.op != "call_module" else _callable(n, self.module)
         key = self.model.node_key(key_target, args, kwargs)
-        stored = self.model.cache.get(key) or self.new_entries.get(key)
+        stored = (self.model.cache.get(key, ("latency_s", "saved_bytes"))
+                  or self.new_entries.get(key))
         if stored is None:
             try:
                 seconds = self._time(n, args, kwargs)
