@@ -18,13 +18,14 @@ session = autoopt.onnx_session("bert.onnx")        # device="cuda": TensorRT, CU
 hidden, pooled = session(ids, attention_mask=mask)  # torch tensors in and out
 print(hidden.shape, pooled.shape)
 
-# The same from the command line, then the file run under ONNX Runtime on random inputs.
+# The same from the command line (my_model.py is in this folder), then the file run under
+# ONNX Runtime on random inputs.
 import shlex  # noqa: E402
 import subprocess  # noqa: E402
 
 COMMANDS = """
-autoopt export torchvision.models:resnet18 --input 2x3x64x64 -o resnet18.onnx --dynamic batch
-autoopt run resnet18.onnx --input x=8x3x64x64 --bench 20
+autoopt export my_model.py:Net --input input_ids=2x128:int64 -o net.onnx --dynamic batch
+autoopt run net.onnx --input input_ids=8x128 --bench 20
 """
 for command in COMMANDS.strip().splitlines():
     print(f"$ {command}", flush=True)

@@ -31,7 +31,11 @@ RUN_ELSEWHERE = {
 }
 # Scripts that take more than a few seconds (all still run in CI, where `slow` runs too).
 SLOW = {"cli.py", "cost_model.py", "diagnose.py", "diagnose_cli.py", "generation.py",
-        "memory_budget.py", "onnx_export.py", "pipeline.py", "precision.py"}
+        "memory_budget.py", "onnx_export.py", "openvino_backend.py", "pipeline.py",
+        "precision.py"}
+# Modules the other scripts import or name on a command line (``my_model.py:Net``,
+# ``data.py:make_loader``, ``tiny_lm.py:make_model``): they run through those.
+HELPERS = {"data.py", "my_model.py", "tiny_lm.py"}
 
 # Commands of ```bash blocks that are not autoopt's command line are not examples: installing
 # (`pip install`, `apt-get`), the test suite (`pytest`), benchmarks (`python bench/...`, which
@@ -162,7 +166,7 @@ def _quick_start() -> str:
 def _runs() -> list[pytest.param]:
     params = []
     for path in sorted(EXAMPLES.glob("*.py")):
-        if path.name in RUN_ELSEWHERE:
+        if path.name in RUN_ELSEWHERE or path.name in HELPERS:
             continue
         if path.read_text().strip() == _quick_start().strip():
             # The README's quick start as written: tests/test_project.py runs it and reads
