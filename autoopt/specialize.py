@@ -462,6 +462,10 @@ class Capturer:
         flat = capture_lib.flat_example_inputs(exported, args, kwargs)
         gm = self._optimize_graph(exported, flat, args, kwargs, record, "export",
                                   lambda g: g)
+        if self.report.captures[0] is record:  # the example's: precision= decided now, not
+            from .precision_target import check_applied  # after minutes timing backends
+
+            check_applied(self._config, Report([record]))
         run = self._unless_unimproved(self._cuda_graph(gm, args, kwargs, record), record)
         run, backend = self._lower(gm, run, args, kwargs, record, None)
         return Compiled(signature_of(args, kwargs, self.module, gm), "export", run,

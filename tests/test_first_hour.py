@@ -151,3 +151,29 @@ def test_autoopt_s_inductor_compile_does_not_warn_of_a_missing_cuda_runtime() ->
                           timeout=300)
     assert done.returncode == 0, done.stderr
     assert "No CUDA runtime is found" not in done.stderr, done.stderr
+
+
+def test_a_refused_precision_is_decided_before_the_backends_are_timed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """precision='int8' on a small GPT-2 was refused as slower than fp32 after 85 s of timing
+    backends for a module optimize then did not return."""
+    from autoopt import specialize
+    from autoopt.errors import ConfigError
+    from autoopt.passes import precision as precision_pass
+    from autoopt.passes.precision_int8 import SLOWER, int8_engine
+
+    if int8_engine() is None:
+        pytest.skip("no quantized engine in this PyTorch build")
+    monkeypatch.setattr(precision_pass, "slower_than_fp32", lambda gm, ctx, nodes: {
+        n.name: f"{SLOWER}200 us against 100 us (aten)" for n in nodes})
+    lowered: list[str] = []
+    real = specialize.lower_whole_graph
+    monkeypatch.setattr(specialize, "lower_whole_graph",
+                        lambda *args, **kwargs: lowered.append("lowered") or real(*args,
+                                                                                   **kwargs))
+    with torch.no_grad(), pytest.raises(ConfigError, match="int8 measured slower"):
+        import autoopt
+
+        autoopt.optimize(_Mlp().eval(), (torch.randn(4, 16),), precision="int8",
+                         backends=("aten", "onnxruntime"))
+    assert lowered == []
