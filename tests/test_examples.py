@@ -200,3 +200,17 @@ def test_commands_parse() -> None:
     """Every autoopt command shown splits as a shell would (no stray quotes)."""
     for _page, command in _autoopt_commands():
         shlex.split(command)
+
+
+def test_every_link_between_pages_resolves() -> None:
+    """README.md and docs/*.md link each other and examples/; every relative link names a file
+    or folder that exists (pages move: the README was split into docs/)."""
+    broken = []
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue  # a URL, or an anchor in the same page
+            path = (page.parent / target.split("#", 1)[0]).resolve()
+            if not path.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken
