@@ -29,7 +29,8 @@ __all__ = ["OptimizedModule", "Specialization", "check_inputs", "optimize"]
 
 def optimize(model: nn.Module, example_inputs: Any = (), example_kwargs: Mapping[str, Any] | None
              = None, *, device: str | torch.device | None = None,
-             config: OptimizeConfig | Mapping[str, Any] | None = None, dynamic: bool = False,
+             config: OptimizeConfig | Mapping[str, Any] | None = None,
+             dynamic: bool | None = None,
              dynamic_shapes: Any = None, training: bool | None = None,
              **options: Any) -> OptimizedModule:
     """Return a module that computes what ``model`` computes, faster, checked against eager.
@@ -42,7 +43,11 @@ def optimize(model: nn.Module, example_inputs: Any = (), example_kwargs: Mapping
         example_kwargs: keyword inputs.
         device: where the optimized module runs; default: where the model's parameters are.
         config: an ``OptimizeConfig`` or a dict of its fields.
-        dynamic: let every dimension vary where the model allows (batch, sequence length).
+        dynamic: True: let every dimension vary where the model allows (batch, sequence
+            length), from the first graph. None (the default): each input signature's first
+            graph has static sizes, and a call that differs from a graph's inputs only in
+            some sizes is captured with those dimensions dynamic (one graph for every later
+            size there, as ``torch.compile`` does). False: every size is its own graph.
         dynamic_shapes: ``torch.export``-style per-input dynamic dimensions; wins over dynamic.
         training: whether the example call is a training step (default: ``model.training``).
             An inference call is captured under ``torch.no_grad()``, where passes may fold

@@ -25,7 +25,8 @@ from .specialize import EagerRaised, model_device
 
 def prepare(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, Any] | None,
             cfg: OptimizeConfig, *, device: str | torch.device | None = None,
-            dynamic: bool = False, dynamic_shapes: Any = None, training: bool | None = None,
+            dynamic: bool | None = None, dynamic_shapes: Any = None,
+            training: bool | None = None,
             module_class: type[OptimizedModule] = OptimizedModule,
             ) -> tuple[OptimizedModule, tuple[Any, ...], dict[str, Any], bool]:
     """The core module for ``model`` (not yet captured), the example inputs on its device,
@@ -66,7 +67,7 @@ def prepare(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, 
 def build(model: nn.Module, example_inputs: Any = (),
           example_kwargs: Mapping[str, Any] | None = None, *,
           device: str | torch.device | None = None,
-          config: OptimizeConfig | Mapping[str, Any] | None = None, dynamic: bool = False,
+          config: OptimizeConfig | Mapping[str, Any] | None = None, dynamic: bool | None = None,
           dynamic_shapes: Any = None, training: bool | None = None, **options: Any,
           ) -> OptimizedModule:
     """``autoopt.optimize`` without the features layered on the core (``devices=``,

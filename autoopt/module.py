@@ -23,7 +23,14 @@ from torch.fx import GraphModule
 from .concurrency import GATE
 from .config import OptimizeConfig
 from .cost_model import CostModel
-from .guards import InputSignature, current_modes, needs_gradients, signature_of, training_flags
+from .guards import (
+    InputSignature,
+    TensorSpec,
+    current_modes,
+    needs_gradients,
+    signature_of,
+    training_flags,
+)
 from .report import Report
 from .runtime import cuda_graphs
 from .specialize import Capturer, Compiled, EagerRaised, model_device
@@ -69,7 +76,7 @@ class OptimizedModule(nn.Module):
     ``specialize(args, kwargs)``.
     """
 
-    def __init__(self, module: nn.Module, config: OptimizeConfig, *, dynamic: bool = False,
+    def __init__(self, module: nn.Module, config: OptimizeConfig, *, dynamic: bool | None = None,
                  dynamic_shapes: Any = None, shares_weights: bool = False) -> None:
         super().__init__()
         self.module = module
@@ -88,7 +95,7 @@ class OptimizedModule(nn.Module):
         # Measures nothing until a pass asks; measurements persist in the on-disk cache.
         self.cost_model = CostModel(model_device(module) or "cpu")
         self._capturer = Capturer(module, config, self.cost_model, self.report,
-                                  dynamic=dynamic, dynamic_shapes=dynamic_shapes,
+                                  dynamic=bool(dynamic), dynamic_shapes=dynamic_shapes,
                                   on_state_write=self._unshare)
         # What the graphs assume of the module beyond its inputs: which tensors, their
         # values, the Python attributes traced into them.
@@ -462,7 +469,30 @@ class OptimizedModule(nn.Module):
                 s.signature is not None and not s.signature.modes[0]
                 for s in self._specializations):
             self._say_gradient_graph(source is not None)
-        return self._capturer.capture(*clone_inputs(args, kwargs), source=source)
+        varying = self._varying_sizes(args, kwargs) if source is None else None
+        if not varying:
+            return self._capturer.capture(*clone_inputs(args, kwargs), source=source)
+        return self._capturer.capture(*clone_inputs(args, kwargs), varying=varying)
+
+    def _varying_sizes(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       ) -> dict[int, dict[int, Any]] | None:
+        """Where ``dynamic=`` was left to autoopt (None) and these inputs differ from a
+        static graph's only in some sizes: those dimensions (input leaf -> dimension ->
+        ``Dim.AUTO``), to be captured dynamic, as ``torch.compile`` marks a dimension
+        dynamic once it has seen a second size there. A loop over batches or sequence
+        lengths then builds two graphs, not one per size. None: capture as configured."""
+        if self._dynamic is not None or self._dynamic_shapes is not None:
+            return None
+        new = signature_of(args, kwargs, self.module)
+        for spec in reversed([*self._rebuildable, *self._specializations]):
+            old = spec.signature
+            if (spec.method != "export" or old is None or old.tree != new.tree
+                    or old.modes[2:] != new.modes[2:]):
+                continue
+            varying = _size_changes(old.leaves, new.leaves)
+            if varying:
+                return varying
+        return None
 
     def _say_gradient_graph(self, reused: bool) -> None:
         """Say why a call on a model in eval mode, captured for inference, builds a graph:
@@ -492,6 +522,32 @@ class OptimizedModule(nn.Module):
             self.report.warnings.append(message)
             warnings.warn(f"autoopt: {message}", stacklevel=3)
         return Compiled(signature_of(args, kwargs, self.module), "eager", self.module)
+
+
+def _size_changes(old: tuple[Any, ...], new: tuple[Any, ...]) -> dict[int, dict[int, Any]]:
+    """The dimensions whose sizes differ between two signatures' leaves that agree in all
+    else (dtypes, devices, ranks, non-tensor values); empty where they do not agree."""
+    changes: dict[int, dict[int, Any]] = {}
+    for i, (a, b) in enumerate(zip(old, new, strict=True)):
+        if not isinstance(a, TensorSpec) or not isinstance(b, TensorSpec):
+            if isinstance(a, TensorSpec) or isinstance(b, TensorSpec) or not _same(a, b):
+                return {}
+            continue
+        if (a.dtype, a.device, len(a.shape)) != (b.dtype, b.device, len(b.shape)):
+            return {}
+        dims = {d: torch.export.Dim.AUTO
+                for d, (x, y) in enumerate(zip(a.shape, b.shape, strict=True))
+                if x is not None and x != y}
+        if dims:
+            changes[i] = dims
+    return changes
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or (type(a) is type(b) and bool(a == b))
+    except Exception:  # noqa: BLE001 - incomparable values count as different
+        return False
 
 
 def _own_memory(t: torch.Tensor) -> None:

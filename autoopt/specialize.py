@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.fx import GraphModule
+from torch.utils import _pytree as pytree
 
 from . import memory as memory_lib
 from . import memory_profile
@@ -170,6 +171,8 @@ class Capturer:
         # Bytes of constants that graphs dropped for new weights may still hold, waiting for
         # a full collection (``rebuild``).
         self._uncollected = 0
+        # Whether ``_dynamic_shapes`` are autoopt's choice for this capture (``varying``).
+        self._automatic = False
         self.module = module
         self._config = config
         self.cost_model = cost_model
@@ -178,14 +181,24 @@ class Capturer:
         self._dynamic_shapes = dynamic_shapes
 
     def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-                source: Source | None = None) -> Compiled:
+                source: Source | None = None,
+                varying: dict[int, dict[int, Any]] | None = None) -> Compiled:
         """Try each capture method in ``config.capture`` order on these inputs; the first
         whose graph verifies wins, else the model runs eagerly. Records it in ``report``,
         with the steps ``optimize_memory`` (or free memory) left out. With ``source`` (an
         exported graph whose signature matches these inputs but for the grad mode), the
-        passes run on that graph first: no new export where it verifies."""
+        passes run on that graph first: no new export where it verifies. With ``varying``
+        (input leaf, in ``signature_of``'s order -> dimension -> ``Dim``), those dimensions
+        are exported dynamic (``torch.export`` keeps dynamic what the model allows)."""
         record = CaptureRecord(inputs=signature_of(args, kwargs, self.module).describe())
         self.report.captures.append(record)
+        configured = self._dynamic_shapes
+        if varying:
+            self._dynamic_shapes = _dynamic_shapes(self.module, args, kwargs, varying)
+            self._automatic = True
+            log.info("capture: a size changed since the last graph: exporting with those "
+                     "dimensions dynamic, one graph for the sizes that vary (dynamic=False "
+                     "keeps a graph per size)")
         with memory_profile.allowing(self._config.optimize_memory_limit,
                                      model_device(self.module) or torch.device("cpu")) as room, \
                 memory_profile.collecting_only_new():
@@ -193,6 +206,7 @@ class Capturer:
                 return self._capture(args, kwargs, record, source)
             finally:
                 record.memory = list(room.notes)
+                self._dynamic_shapes, self._automatic = configured, False
 
     def rebuild(self, spec: Compiled, args: tuple[Any, ...], kwargs: dict[str, Any],
                 ) -> Compiled | None:
@@ -452,8 +466,19 @@ class Capturer:
     def _export(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                 record: CaptureRecord) -> Compiled:
         with memory_profile.stage("torch.export"):
-            gm = capture_lib.export_graph(self.module, args, kwargs, self._dynamic,
-                                          self._dynamic_shapes, self._output_types)
+            try:
+                gm = capture_lib.export_graph(self.module, args, kwargs, self._dynamic,
+                                              self._dynamic_shapes, self._output_types)
+            except Exception as exc:
+                if not self._automatic:
+                    raise
+                # Sizes autoopt chose to free, not the user: at these sizes, as without.
+                self._automatic = False
+                log.info("capture: export with the varying sizes dynamic failed (%s); "
+                         "exporting at these sizes", exc)
+                self._dynamic_shapes = None
+                gm = capture_lib.export_graph(self.module, args, kwargs, self._dynamic, None,
+                                              self._output_types)
         return self._from_graph(gm, args, kwargs, record)
 
     def _from_graph(self, exported: GraphModule, args: tuple[Any, ...],
@@ -681,6 +706,17 @@ class Capturer:
         if "sets" not in reference:  # the same input objects each call, so ids key the memo
             reference["sets"] = input_sets(args, kwargs, self._config.random_inputs)
         return check_all(run_pair, reference["sets"], self._config.verification_tolerances)
+
+
+def _dynamic_shapes(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    varying: dict[int, dict[int, Any]]) -> Any:
+    """``torch.export``'s ``dynamic_shapes`` for these inputs with the ``varying``
+    dimensions of each tensor leaf (numbered as ``signature_of`` flattens them, keywords
+    sorted) dynamic."""
+    leaves = pytree.tree_leaves((tuple(args), dict(sorted(kwargs.items()))))
+    dims = {id(leaves[i]): d for i, d in varying.items()}
+    return capture_lib.dynamic_shapes_for(module.forward, args, kwargs,
+                                          lambda t: dims.get(id(t)))
 
 
 def _constant_bytes(spec: Compiled) -> int:

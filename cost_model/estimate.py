@@ -78,8 +78,22 @@ def is_view(target: Any) -> bool:
 
 
 def tensor_bytes(value: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value)
+    """The bytes of the tensors in ``value``, a symbolic size (a graph captured with
+    ``dynamic=``) counted at the value it was traced with: comparing symbolic byte counts
+    (a memory plan's peak) adds guards to the graph, which then serves fewer sizes."""
+    return sum(_numel(t) * t.element_size() for t in pytree.tree_leaves(value)
                if isinstance(t, torch.Tensor))
+
+
+def _numel(t: torch.Tensor) -> Any:
+    sizes = [s if isinstance(s, int) else getattr(getattr(s, "node", None), "hint", None)
+             for s in t.shape]
+    if not all(isinstance(s, int) for s in sizes):
+        return t.numel()  # a size with no traced value: symbolic, as it is
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
 
 
 def count_flops(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

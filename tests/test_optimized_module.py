@@ -19,7 +19,7 @@ def mlp() -> nn.Module:
 
 def test_new_shapes_beyond_the_limit_run_eagerly_with_a_warning() -> None:
     model = mlp()
-    fast = autoopt.optimize(model, (torch.randn(1, 6),), max_specializations=2)
+    fast = autoopt.optimize(model, (torch.randn(1, 6),), max_specializations=2, dynamic=False)
     fast(torch.randn(2, 6))
     with pytest.warns(UserWarning, match="max_specializations"):
         out = fast(v := torch.randn(3, 6))

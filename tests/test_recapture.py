@@ -145,3 +145,81 @@ def test_a_rebuilt_graph_sees_every_kind_of_weight_write(exports: list[object]) 
 def _other_state() -> dict[str, torch.Tensor]:
     torch.manual_seed(1)
     return ConvBnNet().state_dict()
+
+
+# --- new sizes -------------------------------------------------------------------------------
+
+
+def _llama() -> nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1,
+                                      intermediate_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.LlamaModel(config).train()
+
+
+def _ids(length: int) -> torch.Tensor:
+    return torch.randint(0, 128, (2, length))
+
+
+def _train_step(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    out = model(ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(out.square().mean(), params)
+    return out.detach(), list(grads)
+
+
+def test_dynamic_training_with_a_memory_budget_is_one_graph_for_every_length() -> None:
+    """``dynamic=True`` with ``memory_budget``: the plan priced its peak by comparing
+    symbolic byte counts, each comparison a guard on the graph, so lengths 16, 9, 23 took
+    two graphs where ``dynamic=True`` alone takes one."""
+    model = _llama()
+    twin = copy.deepcopy(model)
+    ids = _ids(16)
+    fast = autoopt.optimize(model, (ids,), {"attention_mask": torch.ones_like(ids)},
+                            dynamic=True, memory_budget=0.5)
+    assert fast.report.captures[0].memory_plan is not None
+    for length in (16, 9, 23):
+        ids = _ids(length)
+        out, grads = _train_step(fast, ids)
+        expected, expected_grads = _train_step(twin, ids)
+        _close(out, expected)
+        for g, e in zip(grads, expected_grads, strict=True):
+            _close(g, e)
+    assert len(fast.report.captures) == 1, fast.report
+
+
+def test_a_second_length_makes_that_dimension_dynamic(exports: list[object]) -> None:
+    """Without ``dynamic=``: the first graph has the example's sizes; the first call with
+    another length is captured with the sequence dimension dynamic (``torch.compile``'s
+    rule), and every later length runs that graph. Training, gradients checked."""
+    model = _llama()
+    twin = copy.deepcopy(model)
+    ids = _ids(16)
+    fast = autoopt.optimize(model, (ids,), {"attention_mask": torch.ones_like(ids)})
+    for length in (16, 9, 23, 12, 5):
+        ids = _ids(length)
+        out, grads = _train_step(fast, ids)
+        expected, expected_grads = _train_step(twin, ids)
+        _close(out, expected)
+        for g, e in zip(grads, expected_grads, strict=True):
+            _close(g, e)
+    assert len(fast.report.captures) == len(exports) == 2, fast.report
+    first, second = (s.signature for s in fast.specializations)
+    assert first is not None and second is not None
+    assert None not in first.leaves[0].shape  # the example's graph: static
+    assert second.leaves[0].shape == (2, None)  # the batch never changed: still static
+
+
+def test_dynamic_false_keeps_a_graph_per_size() -> None:
+    model = nn.Sequential(nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 3)).eval()
+    with torch.no_grad():
+        fast = autoopt.optimize(model, (torch.randn(1, 6),), dynamic=False)
+        for batch in (2, 3):
+            x = torch.randn(batch, 6)
+            _close(fast(x), model(x))
+    assert len(fast.report.captures) == 3
+    assert all(None not in s.signature.leaves[0].shape for s in fast.specializations
+               if s.signature is not None)
