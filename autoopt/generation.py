@@ -591,13 +591,21 @@ class Generator:
         """transformers' encoder call for generate, its output and the attention mask padded
         to a multiple of the bucket (the padding masked out): the cross-attention cache is
         sized to the encoder's length, so each new source length had a decode graph of its
-        own (1.9-2.7 s each on T5). Calls without an attention mask are left as they are."""
+        own (1.9-2.7 s each on T5)."""
+        module = self._optimized.module
+        # A text encoder-decoder's attention_mask is the source's padding mask, which its
+        # cross-attention applies (a padded batch needs it): one of ones can be made where
+        # the call gave none. (Not for other inputs, audio features: the mask may be theirs.)
+        masks = getattr(module, "main_input_name", None) == "input_ids" and \
+            "attention_mask" in inspect.signature(module.forward).parameters
 
         def encode_padded(*args: Any, **kwargs: Any) -> Any:
             model_kwargs = encode(*args, **kwargs)
             outputs = model_kwargs.get("encoder_outputs")
             hidden = getattr(outputs, "last_hidden_state", None)
             mask = model_kwargs.get("attention_mask")
+            if mask is None and masks and isinstance(hidden, torch.Tensor) and hidden.dim() == 3:
+                mask = torch.ones(hidden.shape[:2], dtype=torch.long, device=hidden.device)
             if not isinstance(hidden, torch.Tensor) or not isinstance(mask, torch.Tensor) or \
                     hidden.dim() != 3 or mask.shape != hidden.shape[:2]:
                 return model_kwargs
@@ -606,7 +614,8 @@ class Generator:
             self._source_length = length
             if pad:
                 outputs.last_hidden_state = torch.nn.functional.pad(hidden, (0, 0, 0, pad))
-                model_kwargs["attention_mask"] = torch.nn.functional.pad(mask, (0, pad))
+                mask = torch.nn.functional.pad(mask, (0, pad))
+            model_kwargs["attention_mask"] = mask
             return model_kwargs
         return encode_padded
 
