@@ -200,3 +200,25 @@ def test_under_bf16_openvino_runs_its_own_bf16_mode_on_the_fp32_graph(
     with torch.no_grad():
         out, expected = fast(*args), model(*args)
     assert (out - expected).abs().max() <= 0.05 * expected.abs().max()
+
+
+@needs_openvino
+def test_onnx_runtime_and_openvino_share_one_export_where_the_cache_cannot_hold_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from autoopt.backends import onnx_graph
+
+    monkeypatch.setattr(onnx_cache, "store", lambda *a: "the exporter computed a weight")
+    exports: list[int] = []
+    real = onnx_graph.write_onnx
+    monkeypatch.setattr(onnx_graph, "write_onnx",
+                        lambda *a: exports.append(1) or real(*a))
+    model, args, kwargs = bert()
+    fast = autoopt.optimize(model, args, kwargs, backends=("onnxruntime", "openvino"))
+    (choice,) = fast.report.backends
+    assert set(choice.seconds) == {"onnxruntime", "openvino"}
+    assert len(exports) == 1
+    assert_same_function(model, fast, args, kwargs)
+    # The choice's files are gone with it: a later choice (a new shape) exports again.
+    with torch.no_grad():
+        fast(token_ids(3, 8), attention_mask=torch.ones(3, 8, dtype=torch.long))
+    assert len(exports) == 2

@@ -96,13 +96,15 @@ def _plain_tensor(value: Any) -> bool:
 
 
 def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-          expected: Any, device: torch.device) -> OrtGraph:
+          expected: Any, device: torch.device,
+          exports: onnx_graph.Exports | None = None) -> OrtGraph:
     """``gm`` exported to ONNX and opened in an ONNX Runtime session on ``device``.
 
     Args:
         gm: the graph to export (taking ``(args, kwargs)``).
         forward: the model's forward, which names the ONNX inputs.
         expected: the model's output on ``(args, kwargs)``.
+        exports: keeps the exported file for another runtime of the same choice.
     """
     # The exporter takes the keywords in the graph's own order (its forward's parameters, as
     # captured); given in another, it named each ONNX input after another's tensor.
@@ -116,7 +118,7 @@ def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str
             return onnx_session(path, device, threads=threads)
 
     session = onnx_graph.opened(gm, args, kwargs, input_names, output_names, device, expected,
-                                open_file, "onnxruntime")
+                                open_file, "onnxruntime", exports)
     return OrtGraph(session, input_names, expected, list(kwargs), lookups(gm, input_names))
 
 

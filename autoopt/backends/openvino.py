@@ -92,7 +92,8 @@ def _array(t: torch.Tensor) -> Any:
 
 
 def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-          expected: Any, device: torch.device, precision: str = "fp32") -> OrtGraph:
+          expected: Any, device: torch.device, precision: str = "fp32",
+          exports: onnx_graph.Exports | None = None) -> OrtGraph:
     """``gm`` exported to ONNX (or read from the ONNX cache) and compiled by OpenVINO.
 
     Args:
@@ -100,6 +101,7 @@ def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str
         forward: the model's forward, which names the ONNX inputs.
         expected: the model's output on ``(args, kwargs)``.
         precision: ``fp32`` or ``bf16``: OpenVINO's inference precision hint.
+        exports: where ONNX Runtime's candidate left the same graph's file, if it did.
     """
     import openvino as ov
 
@@ -118,7 +120,7 @@ def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str
         return OvSession(compiled, precision, threads, input_names)
 
     session = onnx_graph.opened(gm, args, kwargs, input_names, output_names, device, expected,
-                                compile_file, "openvino")
+                                compile_file, "openvino", exports)
     run = OrtGraph(session, input_names, expected, list(kwargs), lookups(gm, input_names))
     log.info("openvino: compiled in %s with %d threads", HINTS[precision], threads)
     return run

@@ -29,7 +29,7 @@ from ..passes.graph import release_packed, restore_packed
 from ..report import BackendChoice
 from ..state import preserved
 from ..verify import VerifyResult, clone_inputs
-from . import hybrid, inductor, openvino
+from . import hybrid, inductor, onnx_graph, openvino
 from . import onnxruntime as ort
 from .choice import Lowering, choose_backend
 
@@ -58,6 +58,7 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
     source = portable(gm)
     names = config.candidate_backends
     lowerings, skipped = [], {}
+    exports = onnx_graph.Exports()  # one export for ONNX Runtime and OpenVINO
 
     def call(run: Callable[..., Any]) -> Callable[..., Any]:
         return adapt(run) if adapt is not None else run
@@ -122,7 +123,8 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
                 skipped[name] = why
             else:
                 lowerings.append(Lowering(name, lambda: warm(_onnxruntime(
-                    source, module, args, kwargs, device)), memory=ort.memory_estimate(source)))
+                    source, module, args, kwargs, device, exports)),
+                    memory=ort.memory_estimate(source)))
         elif name == "openvino":
             # Under precision="bf16", OpenVINO's own bf16 mode on the graph before autoopt's
             # casts: its hint, verified under the precision's tolerance like autoopt's map.
@@ -133,7 +135,7 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
                 skipped[name] = why
             else:
                 lowerings.append(Lowering(name, lambda graph=graph, precision=precision: warm(
-                    _openvino(graph, module, args, kwargs, device, precision)),
+                    _openvino(graph, module, args, kwargs, device, precision, exports)),
                     memory=openvino.memory_estimate(graph),
                     regions=lambda precision=precision: openvino.describe(precision)))
 
@@ -157,10 +159,11 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
         return step
 
     what = identity(gm, source, args, kwargs, gradients, dynamic, config.backend_options)
-    return choose_backend("whole graph", lowerings, skipped, verify=verify, timer=timer,
-                          cost_model=cost_model, what=what,
-                          required=config.backend is not None, gradients=gradients,
-                          state=[module], reference=module)
+    with exports:
+        return choose_backend("whole graph", lowerings, skipped, verify=verify, timer=timer,
+                              cost_model=cost_model, what=what,
+                              required=config.backend is not None, gradients=gradients,
+                              state=[module], reference=module)
 
 
 def _inductor_dominated(config: OptimizeConfig, device: torch.device,
@@ -228,16 +231,17 @@ def _expected(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) 
 
 
 def _onnxruntime(source: GraphModule, module: nn.Module, args: tuple[Any, ...],
-                 kwargs: dict[str, Any], device: torch.device) -> ort.OrtGraph:
+                 kwargs: dict[str, Any], device: torch.device,
+                 exports: onnx_graph.Exports | None = None) -> ort.OrtGraph:
     return ort.lower(source, module.forward, args, kwargs, _expected(module, args, kwargs),
-                     device)
+                     device, exports=exports)
 
 
 def _openvino(source: GraphModule, module: nn.Module, args: tuple[Any, ...],
               kwargs: dict[str, Any], device: torch.device, precision: str = "fp32",
-              ) -> ort.OrtGraph:
+              exports: onnx_graph.Exports | None = None) -> ort.OrtGraph:
     return openvino.lower(source, module.forward, args, kwargs,
-                          _expected(module, args, kwargs), device, precision)
+                          _expected(module, args, kwargs), device, precision, exports)
 
 
 def identity(gm: GraphModule, source: GraphModule, args: tuple[Any, ...],
