@@ -37,6 +37,15 @@ Columns: step time; MFU (``autoopt.diagnose``'s figure: FLOPs of forward and bac
 measured GEMM peak in that dtype); peak memory of a step (CUDA: ``max_memory_allocated``,
 weights included; CPU: resident memory's growth during the step over before it); speed-up
 over eager fp32; setup (optimize or compile, and the warm-up steps).
+
+``--validate N`` times a training loop that validates instead (its own table): N rounds of a
+training step with an SGD update, then a validation of ``--val-batches`` calls in eval mode
+under ``no_grad``, eager and autoopt (``optimize(..., training=True)``). Each update makes
+autoopt's inference graph stale (folded BatchNorm, packed weights): the first validation
+captures it, each later one rebuilds it from its exported graph (docs/recapture.md). Columns:
+the first validation, the median of the later ones, that over eager's, and the graphs built.
+
+    python bench/training.py --validate 5 --models resnet50 --seq 64 --threads 1
 """
 
 from __future__ import annotations
@@ -380,6 +389,77 @@ def table(rows: list[Row], sizes: dict[str, tuple[int, int]], params: dict[str, 
     return "\n".join(lines + [""] + notes) + "\n"
 
 
+@dataclass
+class Validation:
+    model: str
+    runner: str
+    first_s: float = 0.0  # the first validation (autoopt: its capture)
+    later_s: float = 0.0  # the median of the later ones (autoopt: each rebuilds)
+    captures: int = 0
+    rebuilds: int = 0
+
+
+def validate_loop(name: str, batch: int, seq: int, rounds: int, val_batches: int,
+                  device: torch.device) -> list[Validation]:
+    """Train a step (SGD update), then validate ``val_batches`` calls, ``rounds`` times, for
+    eager and autoopt from the same weights; each validation's seconds."""
+    case = CASES[name]
+    torch.manual_seed(0)
+    model = case.build().to(device).train()
+    args, target = inputs(name, case, model, batch, seq, device)
+    validation = [inputs(name, case, model, batch, seq, device)[0] for _ in range(val_batches)]
+    rows = []
+    for runner in ("eager fp32", "autoopt fp32"):
+        net = copy.deepcopy(model)
+        if runner.startswith("autoopt"):
+            print(f"[{name} b{batch}x{seq}] {runner}: optimizing", flush=True)
+            net = autoopt.optimize(net, args, training=True)
+        optimizer = torch.optim.SGD(net.parameters(), lr=1e-4)
+        seconds = []
+        for r in range(rounds):
+            net.train()
+            loss_of(net(*args), target).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            net.eval()
+            start = time.perf_counter()
+            with torch.no_grad():
+                for batch_args in validation:
+                    net(*batch_args)
+            sync(device)
+            seconds.append(time.perf_counter() - start)
+            print(f"[{name} b{batch}x{seq}] {runner}: validation {r + 1}/{rounds} "
+                  f"{seconds[-1]:.3f} s", flush=True)
+        row = Validation(name, runner, seconds[0], statistics.median(seconds[1:] or seconds))
+        report = getattr(net, "report", None)
+        if report is not None:
+            row.captures = len(report.captures)
+            row.rebuilds = sum(c.rebuilds for c in report.captures)
+        rows.append(row)
+    return rows
+
+
+def validation_table(rows: list[Validation], sizes: dict[str, tuple[int, int]], threads: int,
+                     command: str, rounds: int, val_batches: int, device: torch.device,
+                     load: str) -> str:
+    eager = {r.model: r.later_s for r in rows if r.runner.startswith("eager")}
+    lines = [f"## Train + validate ({device.type.upper()})", "",
+             f"`{command}`: {platform.processor() or platform.machine()}, {threads} thread(s), "
+             f"torch {torch.__version__}, {load}. {rounds} rounds of a training step (SGD "
+             f"update), then {val_batches} validation calls under `no_grad` in eval mode. "
+             f"autoopt's inference graph goes stale at each update: the first validation "
+             f"captures it, each later one rebuilds it from its exported graph (no export, no "
+             f"backend measurement) before its first call.", "",
+             "| model | runner | first validation (s) | later, median (s) | later / eager's | "
+             "graphs captured | rebuilds |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        batch, seq = sizes[r.model]
+        over = f"{r.later_s / eager[r.model]:.2f}x" if eager.get(r.model) else ""
+        lines.append(f"| {r.model} (batch {batch}, {seq}) | {r.runner} | {r.first_s:.3f} | "
+                     f"{r.later_s:.3f} | {over} | {r.captures or ''} | {r.rebuilds or ''} |")
+    return "\n".join(lines) + "\n"
+
+
 @contextlib.contextmanager
 def load_watch() -> Iterator[list[str]]:
     """The 1-minute load average at the start and the end (``os.getloadavg``)."""
@@ -406,6 +486,10 @@ def main(argv: list[str] | None = None) -> int:
                              "GPU; resnet50, the issue's case, on a CPU: diagnose and apply "
                              "take minutes a model there)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default all)")
+    parser.add_argument("--validate", type=int, default=0, metavar="N",
+                        help="time N rounds of train step + validation instead (see above)")
+    parser.add_argument("--val-batches", type=int, default=10,
+                        help="validation calls per round (--validate)")
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     parser.add_argument("--out", type=Path, help="also write the table to this file (after "
                         "each model, so a run stopped early keeps the models done)")
@@ -433,6 +517,17 @@ def main(argv: list[str] | None = None) -> int:
                ).strip()
     apply_models = (args.apply_models.split(",") if args.apply_models is not None
                     else models if device.type == "cuda" else ["resnet50"])
+    if args.validate:
+        found: list[Validation] = []
+        with load_watch() as load:
+            for name in models:
+                found += validate_loop(name, *sizes[name], args.validate, args.val_batches,
+                                       device)
+        publish(validation_table(found, sizes, torch.get_num_threads(), command,
+                                 args.validate, args.val_batches, device,
+                                 f"1-min load average {load[0]} at the start, {load[1]} at "
+                                 f"the end"), write=args.write, out=args.out)
+        return 0
     rows: list[Row] = []
     params: dict[str, int] = {}
     with load_watch() as load:

@@ -223,3 +223,28 @@ def test_dynamic_false_keeps_a_graph_per_size() -> None:
     assert len(fast.report.captures) == 3
     assert all(None not in s.signature.leaves[0].shape for s in fast.specializations
                if s.signature is not None)
+
+
+def test_the_train_and_validate_bench_rebuilds_and_captures_nothing_after_the_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/training.py --validate on a tiny CNN: autoopt captures the training graph and
+    the inference graph once, and rebuilds the inference graph at every later validation."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import training
+
+    def tiny() -> nn.Module:
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 1000))
+
+    monkeypatch.setitem(training.CASES, "tiny", training.Case(tiny, full=(2, 8), cpu=(2, 8),
+                                                              tokens=False))
+    eager, fast = training.validate_loop("tiny", 2, 8, 3, 2, torch.device("cpu"))
+    assert (eager.runner, fast.runner) == ("eager fp32", "autoopt fp32")
+    assert (fast.captures, fast.rebuilds) == (2, 2)
+    assert fast.later_s > 0 and eager.later_s > 0
+    text = training.validation_table([eager, fast], {"tiny": (2, 8)}, 1, "cmd", 3, 2,
+                                     torch.device("cpu"), "load")
+    assert "| tiny (batch 2, 8) | autoopt fp32 |" in text
