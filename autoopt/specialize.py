@@ -203,10 +203,13 @@ class Capturer:
                                      model_device(self.module) or torch.device("cpu")) as room, \
                 memory_profile.collecting_only_new():
             try:
-                return self._capture(args, kwargs, record, source)
+                spec = self._capture(args, kwargs, record, source)
             finally:
                 record.memory = list(room.notes)
                 self._dynamic_shapes, self._automatic = configured, False
+        if spec.signature is not None and spec.signature.shapes is not None:
+            record.inputs = spec.signature.describe()  # the sizes it serves: ? where free
+        return spec
 
     def rebuild(self, spec: Compiled, args: tuple[Any, ...], kwargs: dict[str, Any],
                 ) -> Compiled | None:
