@@ -72,7 +72,7 @@ class OptimizeConfig:
     memory_budget: int | float | str | None = None
     memory_modes: tuple[str, ...] | None = None
     # Precision casting (passes/precision.py); autoopt.precision_target checks the device.
-    precision: str | None = None  # None/"fp32", "bf16", "fp16" or "int8" (CPU inference)
+    precision: str | None = None  # None/"fp32", "bf16", "fp16", "int8" or "int4" (CPU inference)
     tolerance: float | None = None  # end-to-end relative error allowed under ``precision``
     # Pipeline (autoopt.parallel): one stage per device, cut by measured time.
     devices: tuple[str, ...] | None = None  # e.g. ("cuda:0", "cuda:1"); None: no pipeline
@@ -234,7 +234,7 @@ def _check_precision(precision: Any, tolerance: Any) -> None:
                               f"error allowed; got {tolerance!r}")
         if precision in (None, "fp32"):
             raise ConfigError(f"tolerance={tolerance!r} is the error allowed under reduced "
-                              f"precision; pass precision='bf16', 'fp16' or 'int8' with it")
+                              f"precision; pass precision='bf16', 'fp16', 'int8' or 'int4' with it")
 
 
 def _check_backends(config: OptimizeConfig) -> None:

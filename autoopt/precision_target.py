@@ -18,6 +18,8 @@ from torch.utils import _pytree as pytree
 from .cost_model.dtype_speed import matmul_flops
 from .errors import ConfigError
 from .passes.precision import DEFAULT_TRAINING_TOLERANCE, LOW_DTYPES
+from .passes.precision_int8 import KERNELS
+from .passes.weight_only import GROUPS
 
 if TYPE_CHECKING:
     from .config import OptimizeConfig
@@ -45,14 +47,17 @@ def check_target(cfg: OptimizeConfig, device: torch.device | None, training: boo
         return cfg
     device = device or torch.device("cpu")
     force = bool(cfg.pass_options.get("precision", {}).get("force", False))
-    if precision == "int8":
+    if precision in KERNELS:  # int8, int4
+        _check_quantized_options(precision, cfg.pass_options.get("precision", {}))
         if training:
-            raise ConfigError("precision='int8' is for inference: quantized linears have no "
-                              "gradient. Use precision='bf16' (or 'fp16' on a GPU) for "
-                              "training, or optimize with training=False.")
+            raise ConfigError(f"precision='{precision}' is for inference: quantized linears "
+                              f"have no gradient. Use precision='bf16' (or 'fp16' on a GPU) for "
+                              f"training, or optimize with training=False.")
         if device.type != "cpu":
-            raise ConfigError(f"precision='int8' (dynamic quantization) runs on the CPU only; "
-                              f"the model is on {device}. Use precision='fp16' or 'bf16' there.")
+            what = "dynamic quantization" if precision == "int8" else "weight-only int4"
+            raise ConfigError(f"precision='{precision}' ({what}) runs on the CPU only; "
+                              f"the model is on {device}: its kernels are CPU ones. Use "
+                              f"precision='fp16' or 'bf16' there.")
         return cfg
     dtype = LOW_DTYPES[precision]
     if training and cfg.tolerance is None:
@@ -71,6 +76,25 @@ def check_target(cfg: OptimizeConfig, device: torch.device | None, training: boo
     raise ConfigError(f"precision='{precision}' on this CPU would be slower than fp32 "
                       f"({speed}): it has no fast {precision} matmul. {other}or pass "
                       f"pass_options={{'precision': {{'force': True}}}} to cast anyway.")
+
+
+def _check_quantized_options(precision: str, options: Mapping[str, Any]) -> None:
+    """The precision pass's int8/int4 options: ``kernel``, ``group_size``, ``min_agreement``."""
+    kernel = options.get("kernel")
+    if kernel is not None and kernel not in KERNELS[precision]:
+        raise ConfigError(f"pass_options={{'precision': {{'kernel': {kernel!r}}}}} is not a "
+                          f"{precision} kernel; use one of {list(KERNELS[precision])}, or leave "
+                          f"it out to choose by measurement")
+    group = options.get("group_size")
+    if group is not None and group not in GROUPS:
+        raise ConfigError(f"pass_options={{'precision': {{'group_size': {group!r}}}}}: int4's "
+                          f"group size is one of {list(GROUPS)}")
+    least = options.get("min_agreement")
+    if least is not None and (isinstance(least, bool) or not isinstance(least, (int, float))
+                              or not 0 <= least <= 1):
+        raise ConfigError(f"pass_options={{'precision': {{'min_agreement': {least!r}}}}}: the "
+                          f"next-token agreement required is a number in [0, 1] (0 accepts "
+                          f"any)")
 
 
 def autocast_tolerance(cfg: OptimizeConfig, model: torch.nn.Module, args: tuple[Any, ...],
@@ -138,6 +162,8 @@ def check_applied(cfg: OptimizeConfig, report: Report) -> None:
         reason = (f"no compute-heavy op could run in {cfg.precision} within the tolerance "
                   f"{cfg.precision_tolerance:g} (inference), or no op, or not the whole "
                   f"training step with its casts, measured faster than fp32 (training)")
+    if "next-token agreement" in reason:  # the reason says what to pass instead
+        raise ConfigError(f"precision='{cfg.precision}' refused for this model: {reason}.")
     # The pass's own reason may give the force hint already (int8 measured slower): once.
     force = ("" if "'force'" in reason else
              ", or pass_options={'precision': {'force': True}} to cast where it measures "

@@ -64,7 +64,7 @@ import functools
 import logging
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -469,7 +469,8 @@ def _copies(ctx: PassContext, linear: _Linear, candidates: tuple[str, ...],
 def against_fp32(gm: GraphModule, ctx: PassContext, node: Node, name: str,
                  make: Callable[[torch.Tensor, torch.Tensor | None], Callable[[torch.Tensor], Any]],
                  weight_share: float, measured: dict[str, tuple[str, dict[str, float]]],
-                 cold: bool) -> tuple[str, dict[str, float]] | None:
+                 cold: bool, more: Mapping[str, Callable[..., Any]] | None = None,
+                 ) -> tuple[str, dict[str, float]] | None:
     """Time another kernel for a linear (``name``: an int8 one) against every fp32 kernel this
     pass chooses among (ATen's and each packed one), the way this pass times its own: on a
     random input of the real shape, from memory where the model's weights outgrow the cache.
@@ -482,6 +483,8 @@ def against_fp32(gm: GraphModule, ctx: PassContext, node: Node, name: str,
             take while measured).
         measured: this pass's results by shape, filled here: each shape is timed once.
         cold: ``weights_outgrow_cache(gm)``, found once for all the graph's linears.
+        more: other kernels timed with ``name``'s, by name, each made as ``make`` is (int8's
+            weight-only kernel beside the dynamic one).
     Returns:
         The fastest kernel's name and every kernel's seconds; None where the node is not a
         linear this pass could pack, or its copies would not fit the memory optimize may add.
@@ -493,7 +496,8 @@ def against_fp32(gm: GraphModule, ctx: PassContext, node: Node, name: str,
     candidates = _usable(linear, candidates)
     bias = attr(gm, linear.bias) if linear.bias is not None else None
     what = f"{name}|{_what(linear, bias is not None)}"
-    names = ["aten", *(f"{k}_packed" for k in candidates), name]
+    others = dict(more or {})
+    names = ["aten", *(f"{k}_packed" for k in candidates), name, *others]
     stored = measured.get(what)
     if stored is None and (seconds := ctx.cost.recorded(what, names)):
         stored = min(names, key=lambda n: (seconds[n], names.index(n))), seconds
@@ -501,7 +505,8 @@ def against_fp32(gm: GraphModule, ctx: PassContext, node: Node, name: str,
         measured[what] = stored
         return stored
     copies = _rotation(linear)
-    need = (len(candidates) * copies + copies - 1 + copies * weight_share) * _bytes(linear.weight)
+    need = (len(candidates) * copies + copies - 1
+            + copies * weight_share * (1 + len(others))) * _bytes(linear.weight)
     if memory.allowance().shortfall(int(need), f"{name}'s measurement against fp32"):
         return None
     x = torch.randn(linear.shape, dtype=torch.float32)
@@ -513,8 +518,9 @@ def against_fp32(gm: GraphModule, ctx: PassContext, node: Node, name: str,
     # As many calls as each fp32 candidate makes, each on a weight of its own: after the
     # cache is evicted each is read from memory once, as the fp32 copies are (more copies
     # of the smaller weight would time more calls, not a colder one).
-    alternates = [make(w, bias) for w in weights]
-    runs[name] = lambda: [f(x) for f in alternates]
+    for other, build in {name: make, **others}.items():
+        alternates = [build(w, bias) for w in weights]
+        runs[other] = lambda alternates=alternates: [f(x) for f in alternates]
     result = ctx.cost.fastest(what, runs, repeats=7 if linear.cold else 3, cold=linear.cold)
     measured[what] = result
     return result

@@ -44,21 +44,36 @@ from .precision_cast import (
     range_refusal,
 )
 from .precision_int8 import (
-    SLOWER,
+    KERNEL,
+    KERNELS,
     Int8Interpreter,
     apply_int8,
+    group_size,
     int8_candidates,
     int8_engine,
+    is_linear,
+    kernels_for,
+    slower,
     slower_than_fp32,
 )
 from .precision_policy import AUTOCAST_LOW, FP32_BY_PRACTICE, training_choice
+from .weight_only import TIE, Agreement, agreement, logits_outputs
 
 log = logging.getLogger(__name__)
 
 LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-PRECISIONS = ("fp32", "bf16", "fp16", "int8")
-# End-to-end relative error allowed when the user gives no tolerance.
-DEFAULT_TOLERANCE = {"bf16": 2e-2, "fp16": 1e-2, "int8": 5e-2}
+PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4")
+# End-to-end relative error allowed when the user gives no tolerance. int4's weights err by
+# about 8% each (16 levels over a group's range): a 12-layer decoder with random weights errs
+# 30% in its logits (134M Llama-style), a 2-layer one 12-20%; next-token agreement
+# (MIN_AGREEMENT) is what judges a decoder.
+DEFAULT_TOLERANCE = {"bf16": 2e-2, "fp16": 1e-2, "int8": 5e-2, "int4": 0.5}
+# Next-token agreement with fp32 (teacher forcing, on the example inputs) below which a
+# quantized decoder is refused, unless the precision pass's ``min_agreement`` option says
+# otherwise; judged where the logits hold at least MIN_POSITIONS positions (fewer, as in a
+# decode step's single token, are reported but would judge by one or two near-ties).
+MIN_AGREEMENT = {"int8": 0.95, "int4": 0.90}
+MIN_POSITIONS = 16
 # The same for a training step (outputs and gradients against eager fp32): what autocast itself
 # errs by, with margin. Measured, train-mode resnet18 from random init, batch 8: autocast bf16
 # 3.8% on outputs, 3.6% on gradients in verification's units (tiny GPT-2: 0.4%), over 2e-2.
@@ -99,6 +114,11 @@ class PrecisionSummary:
         training: chosen by the training policy (``precision_policy``: autocast's ops, fp32
             master weights, speed measured) rather than by measured error.
         low: the op of each node running in low precision (for the report), by node name.
+        kernels: int8/int4: how many linears each quantized kernel computes, by its name.
+        group: int4's group size.
+        agreement: int8/int4 on a graph with token logits: next-token agreement with fp32
+            given the same tokens, and the largest logit error.
+        min_agreement: the agreement required (judged from ``MIN_POSITIONS`` positions).
     """
 
     precision: str
@@ -113,6 +133,10 @@ class PrecisionSummary:
     clamped: int = 0
     training: bool = False
     low: tuple[tuple[str, str], ...] = ()
+    kernels: tuple[tuple[str, int], ...] = ()
+    group: int | None = None
+    agreement: Agreement | None = None
+    min_agreement: float | None = None
 
     def lines(self, limit: int = 12) -> list[str]:
         masked = f" and {self.masked_sets} masked input set(s)" if self.masked_sets else ""
@@ -134,10 +158,32 @@ class PrecisionSummary:
                 by_op[op] = by_op.get(op, 0) + 1
             rows.append(f"  {self.precision}: " + ", ".join(
                 f"{op} x{count}" if count > 1 else op for op, count in by_op.items()))
+        if self.kernels:
+            group = f" (groups of {self.group})" if self.group else ""
+            rows.append("  kernels: " + ", ".join(f"{_KERNEL_NAMES.get(k, k)} x{count}"
+                                                  for k, count in self.kernels) + group)
+        if self.agreement is not None:
+            rows.append("  " + agreement_line(self.agreement, self.min_agreement))
         rows += [f"  fp32 {k.node} ({k.op}): {k.why}" for k in self.kept[:limit]]
         if len(self.kept) > limit:
             rows.append(f"  ... {len(self.kept) - limit} more (report.captures[i].precision)")
         return [head, *rows]
+
+
+_KERNEL_NAMES = {"int8": "int8 dynamic (int8 activations)",
+                 "int8_weight": "int8 weight-only (bf16 activations)",
+                 "int4": "int4 weight-only (bf16 activations)"}
+
+
+def agreement_line(measured: Agreement, required: float | None) -> str:
+    """What the agreement measured, for the report and the refusal."""
+    judged = (f"required {required:.0%}" if measured.positions >= MIN_POSITIONS and required
+              is not None else f"not judged under {MIN_POSITIONS} positions")
+    return (f"next-token agreement with fp32 given the same tokens: {measured.agreement:.1%} "
+            f"of {measured.positions} position(s), {measured.decided:.1%} counting fp32's "
+            f"near-ties (within {TIE:.0%} of its largest logit) as agreeing ({judged}); "
+            f"largest logit error {measured.logit_error:.3g} (fp32 logits up to "
+            f"{measured.logit_scale:.3g})")
 
 
 def cast_precision(gm: GraphModule, ctx: PassContext) -> PassResult:
@@ -156,8 +202,8 @@ def cast_precision(gm: GraphModule, ctx: PassContext) -> PassResult:
     if precision in (None, "fp32") or not is_aten_graph(gm):
         return PassResult(gm, False)
     tolerance = float(ctx.options.get("tolerance") or DEFAULT_TOLERANCE[precision])
-    if precision == "int8":
-        return _int8(gm, ctx, tolerance)
+    if precision in KERNELS:
+        return _int8(gm, ctx, tolerance, precision)
     dtype = LOW_DTYPES[precision]
     functionalize_inplace(gm)
     # What the low dtype cannot hold (mask fills of finfo(float32).min) stays fp32.
@@ -292,36 +338,67 @@ def choose(names: Sequence[str], error_of: Callable[[set[str]], float], budget: 
     return low, kept, error
 
 
-def _int8(gm: GraphModule, ctx: PassContext, tolerance: float) -> PassResult:
+def _int8(gm: GraphModule, ctx: PassContext, tolerance: float,
+          precision: str = "int8") -> PassResult:
+    """int8 (dynamic or weight-only, per linear) or int4 (weight-only) linears."""
     # Safety: inference only (a quantized linear has no gradient) and a quantized engine exists.
-    if ctx.training or ctx.device.type != "cpu" or int8_engine() is None:
+    if ctx.training or ctx.device.type != "cpu" or (precision == "int8"
+                                                    and int8_engine() is None):
         return PassResult(gm, False)
-    candidates = int8_candidates(gm)
+    candidates = int8_candidates(gm, precision, ctx.options)
     slow = slower_than_fp32(gm, ctx, candidates)
     nodes = [n for n in candidates if n.name not in slow]
     if not nodes:
-        first = next(iter(slow.values()), "").removeprefix(SLOWER)
+        first = next(iter(slow.values()), "").removeprefix(slower(precision))
         return PassResult(gm, False, note=(
-            f"int8 measured slower than fp32 on each of the {len(slow)} linear(s) (the first: "
-            f"{first}); pass_options={{'precision': {{'force': True}}}} quantizes anyway")
-            if slow else "")
+            f"{precision} measured slower than fp32 on each of the {len(slow)} linear(s) (the "
+            f"first: {first}); pass_options={{'precision': {{'force': True}}}} quantizes "
+            f"anyway") if slow else "")
+    # Unmeasured: the precision's first kernel that fits (the kernel option's, if given).
+    unmeasured = {n.name: next(k for k in KERNELS[precision] if k in
+                               kernels_for(gm, n, precision, ctx.options)) for n in nodes}
+    kernel_of = {n.name: n.meta.get(KERNEL, unmeasured[n.name]) for n in nodes}
     names, kinds = [n.name for n in nodes], [_kind(n) for n in nodes]
-    packed: dict[str, Any] = {}  # int8 weights, packed once for all trials and the result
+    group = group_size(ctx.options)
+    logits = logits_outputs(gm, is_linear)
+    packed: dict[Any, Any] = {}  # quantized weights, packed once for all trials and the result
+
+    def run(chosen: set[str]) -> Interpreter:
+        return Int8Interpreter(gm, {n: kernel_of[n] for n in chosen}, packed, group)
+
     with preserved(gm):
         measure = _Measure(gm, ctx.example_inputs)
-        low, kept, error = choose(
-            names, lambda s: measure.error(Int8Interpreter(gm, s, packed)),
-            _MARGIN * tolerance, kinds)
+        low, kept, error = choose(names, lambda s: measure.error(run(s)), _MARGIN * tolerance,
+                                  kinds)
+        agreed = agreement(measure.references[0], measure._run(run(low), measure.sets[0]),
+                           logits) if low and logits else None
     if not low:
         return PassResult(gm, False)
+    required = float(ctx.options.get("min_agreement", MIN_AGREEMENT[precision]))
+    if agreed is not None and agreed.positions >= MIN_POSITIONS \
+            and agreed.decided < required:
+        other = ("precision='int8'" if precision == "int4" else "precision='bf16'")
+        accept = math.floor(agreed.decided * 100) / 100  # rounded down: accepted when passed
+        return PassResult(gm, False, note=(
+            f"{precision}'s {agreement_line(agreed, required)}, below the required "
+            f"{required:.0%}: use {other}, or drop precision= for fp32, or accept it with "
+            f"pass_options={{'precision': {{'min_agreement': {accept:g}}}}}"))
     kept.update(slow)
     op_names = {n.name: _op(n) for n in gm.graph.nodes}
-    replaced = apply_int8(gm, low, packed)
+    chosen = {n: kernel_of[n] for n in names if n in low}
+    replaced = apply_int8(gm, chosen, packed, group)
+    counts: dict[str, int] = {}
+    for kernel in chosen.values():
+        counts[kernel] = counts.get(kernel, 0) + 1
     gm.meta["precision"] = PrecisionSummary(
-        "int8", tolerance, error, replaced,
+        precision, tolerance, error, replaced,
         tuple(KeptOp(n, op_names[n], why) for n, why in kept.items()), params_stored_low=replaced,
-        trials=measure.trials, masked_sets=measure.masked_sets)
-    return PassResult(gm, True, {"int8_linear": replaced, "kept_fp32": len(kept)})
+        trials=measure.trials, masked_sets=measure.masked_sets,
+        kernels=tuple(sorted(counts.items())), group=group if "int4" in counts else None,
+        agreement=agreed, min_agreement=required)
+    return PassResult(gm, True, {f"{precision}_linear": replaced, "kept_fp32": len(kept),
+                                 **{f"{k}_kernel": c for k, c in counts.items()}})
+
 
 
 class _Measure:

@@ -16,19 +16,26 @@ Each row is therefore divided by its own largest magnitude first and multiplied 
 
 Measured with bench/generate.py's models at batch 8 (random weights, 64 greedy tokens): tokens
 equal to fp32 eager's 69% → 83% (Llama-style) and 60% → 92% (GPT-2), no slower.
+
+Weight-only kernels (``weight_only.py``) are the other candidates: ``int8_weight`` (int8
+weights, bf16 activations) beside the dynamic kernel (named ``int8``) under ``precision="int8"``,
+and ``int4`` under ``precision="int4"``. Each linear's kernel is the one the cost model measures
+fastest for its shape, against fp32's too (``slower_than_fp32``); the choice is kept in the
+node's ``meta[KERNEL]``. Unmeasured (no cost model, or ``force``) int8 takes the dynamic kernel;
+the ``kernel`` option of the precision pass names one for every linear.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch.fx import GraphModule, Interpreter, Node
 
-from . import ops
+from . import ops, weight_only
 from .graph import attr, fresh_name, meta_val
 
 aten = torch.ops.aten
@@ -53,9 +60,44 @@ def _operands(node: Node) -> tuple[Any, Any, Any, bool] | None:
     return None
 
 
-def int8_candidates(gm: GraphModule) -> list[Node]:
+# node.meta key: the quantized kernel measured fastest for a linear (a name of KERNELS).
+KERNEL = "autoopt_quantized_kernel"
+# The kernels of each precision, by the name they are measured under; the first is the one
+# taken unmeasured.
+KERNELS = {"int8": ("int8", "int8_weight"), "int4": ("int4",)}
+
+
+def is_linear(node: Node) -> bool:
+    return _operands(node) is not None
+
+
+def _weight_of(gm: GraphModule, node: Node) -> torch.Tensor:
+    """The linear's weight as ``(out, in)``."""
+    operands = _operands(node)
+    assert operands is not None, node.format_node()
+    weight = attr(gm, operands[1])
+    return weight.t() if operands[3] else weight
+
+
+def kernels_for(gm: GraphModule, node: Node, precision: str, options: Any) -> tuple[str, ...]:
+    """The kernels of ``precision`` that can compute this linear (the ``kernel`` option: only
+    that one)."""
+    weight = _weight_of(gm, node)
+    group = group_size(options)
+    fits = {"int8": True, "int8_weight": weight_only.int8_weight_fits(weight),
+            "int4": weight_only.int4_fits(weight, group)}
+    wanted = options.get("kernel")
+    return tuple(k for k in KERNELS[precision] if fits[k] and wanted in (None, k))
+
+
+def group_size(options: Any) -> int:
+    return int(options.get("group_size") or weight_only.DEFAULT_GROUP)
+
+
+def int8_candidates(gm: GraphModule, precision: str = "int8",
+                    options: Any = None) -> list[Node]:
     """Linear nodes (and ``addmm`` with a constant weight) with an fp32 input and a 2-D fp32
-    weight attribute (a constant to pack)."""
+    weight attribute (a constant to pack), and a kernel of ``precision`` for its shape."""
     found = []
     for node in gm.graph.nodes:
         operands = _operands(node)
@@ -71,25 +113,44 @@ def int8_candidates(gm: GraphModule) -> list[Node]:
         if (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32
                 and isinstance(x_val, torch.Tensor) and x_val.dtype == torch.float32
                 and x_val.dim() >= 2
-                and (b is None or (isinstance(b, torch.Tensor) and b.dim() == 1))):
+                and (b is None or (isinstance(b, torch.Tensor) and b.dim() == 1))
+                and kernels_for(gm, node, precision, options or {})):
             found.append(node)
     return found
 
 
-def apply_int8(gm: GraphModule, names: Iterable[str], packed: dict[str, Any]) -> int:
-    """Replace the linear nodes named in ``names`` by dynamic int8 linears, in place.
+def apply_int8(gm: GraphModule, names: Iterable[str] | Mapping[str, str],
+               packed: dict[Any, Any], group: int = weight_only.DEFAULT_GROUP) -> int:
+    """Replace the linear nodes named in ``names`` by quantized linears, in place.
 
     Args:
         gm: the graph module.
-        names: linear nodes to quantize (from ``int8_candidates``).
-        packed: prepacked weights by node name, filled on first use and reused across trials.
+        names: linear nodes to quantize (from ``int8_candidates``); a mapping gives each one's
+            kernel (a name of ``KERNELS``), otherwise the dynamic int8 one.
+        packed: prepacked weights by node name and kernel, filled on first use and reused
+            across trials.
+        group: int4's group size.
     Returns:
         How many linears were replaced.
     """
-    names = set(names)
+    kernels = dict(names) if isinstance(names, Mapping) else dict.fromkeys(names, "int8")
     replaced = 0
     for node in list(gm.graph.nodes):
-        if node.name not in names:
+        kernel = kernels.get(node.name)
+        if kernel is None:
+            continue
+        if kernel != "int8":
+            weight = _packed_for(gm, node, packed, kernel, group)
+            with gm.graph.inserting_before(node):
+                attrs = {}
+                for suffix, tensor in weight_only.tensors(weight).items():
+                    name = fresh_name(gm, f"{node.name}_{kernel}_{suffix}")
+                    gm.register_buffer(name, tensor)
+                    attrs[suffix] = gm.graph.get_attr(name)
+                new = weight_only.emit(gm, node, _input(node), weight, attrs, _bias(node))
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+            replaced += 1
             continue
         name = fresh_name(gm, f"{node.name}_int8_packed")
         setattr(gm, name, _packed_for(gm, node, packed))
@@ -105,34 +166,58 @@ def apply_int8(gm: GraphModule, names: Iterable[str], packed: dict[str, Any]) ->
     return replaced
 
 
-SLOWER = "int8 measured slower than fp32 here: "
+def slower(precision: str) -> str:
+    return f"{precision} measured slower than fp32 here: "
+
+
+SLOWER = slower("int8")
 
 
 def slower_than_fp32(gm: GraphModule, ctx: Any, nodes: Iterable[Node]) -> dict[str, str]:
-    """The linears whose int8 kernel (with its row scaling) the cost model measures no faster
-    than the fastest fp32 kernel for the same shape, each with why: on a CPU without VNNI
-    (Zen 3) an int8 decode step measured slower than fp32's, and at a few hundred multiply-adds
-    quantizing the input costs more than the product. Not measured (every node may be int8):
-    without a cost model, or with the precision pass's ``force`` option."""
+    """The linears whose quantized kernels (``KERNELS`` of ``ctx.options["precision"]``; the
+    dynamic int8 one with its row scaling) the cost model all measures no faster than the
+    fastest fp32 kernel for the same shape, each with why: on a CPU without VNNI (Zen 3) an
+    int8 decode step measured slower than fp32's, and at a few hundred multiply-adds quantizing
+    the input costs more than the product. Every other linear's fastest quantized kernel goes
+    into its ``meta[KERNEL]``. Not measured (every node may be quantized, with the first
+    kernel): without a cost model, or with the precision pass's ``force`` option."""
     if ctx.cost is None or ctx.options.get("force"):
         return {}
     from .packed_linear import against_fp32, weights_outgrow_cache  # its fp32 kernels
 
+    precision = ctx.options.get("precision") or "int8"
+    group = group_size(ctx.options)
+    makes: dict[str, Callable[..., Any]] = {
+        "int8_weight": lambda w, b, rowwise: _weight_only_call(weight_only.quantize_int8(w), b),
+        "int4": lambda w, b, rowwise: _weight_only_call(weight_only.quantize_int4(w, group), b),
+        "int8": lambda w, b, rowwise: int8_linear(w, b, rowwise)}
     measured: dict[str, Any] = {}
     cold = weights_outgrow_cache(gm)
     slow = {}
     with _quiet_deprecation():
         for node in nodes:
             rowwise = _rowwise(node)
-            result = against_fp32(
-                gm, ctx, node, "int8",
-                lambda w, b, rowwise=rowwise: int8_linear(w, b, rowwise), 0.25, measured, cold)
-            if result is None or result[0] == "int8":
+            first, *others = [
+                (k, lambda w, b, k=k, rowwise=rowwise: makes[k](w, b, rowwise))
+                for k in kernels_for(gm, node, precision, ctx.options)]
+            result = against_fp32(gm, ctx, node, first[0], first[1],
+                                  0.25 if precision == "int8" else 0.125, measured, cold,
+                                  more=dict(others))
+            if result is None:
                 continue
             best, seconds = result
-            slow[node.name] = (f"{SLOWER}{seconds['int8'] * 1e6:.0f} us against "
+            if best in KERNELS[precision]:
+                node.meta[KERNEL] = best
+                continue
+            mine = min((k for k in seconds if k in KERNELS[precision]), key=seconds.__getitem__)
+            slow[node.name] = (f"{slower(precision)}{seconds[mine] * 1e6:.0f} us against "
                                f"{seconds[best] * 1e6:.0f} us ({best.removesuffix('_packed')})")
     return slow
+
+
+def _weight_only_call(weight: Any, bias: torch.Tensor | None,
+                      ) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: weight_only.linear(x, weight, bias)
 
 
 def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None,
@@ -160,17 +245,24 @@ class Int8Interpreter(Interpreter):
     """Runs ``gm`` as ``apply_int8(gm, names, packed)`` would rewrite it, without rewriting it
     (for measuring many candidate sets)."""
 
-    def __init__(self, gm: GraphModule, names: Iterable[str], packed: dict[str, Any]) -> None:
+    def __init__(self, gm: GraphModule, names: Iterable[str] | Mapping[str, str],
+                 packed: dict[Any, Any], group: int = weight_only.DEFAULT_GROUP) -> None:
         super().__init__(gm)
-        self.names = set(names)
+        self.kernels = dict(names) if isinstance(names, Mapping) else dict.fromkeys(names,
+                                                                                   "int8")
         self.packed = packed
+        self.group = group
 
     def run_node(self, n: Node) -> Any:
-        if n.name not in self.names:
+        kernel = self.kernels.get(n.name)
+        if kernel is None:
             return super().run_node(n)
         bias = _bias(n)
-        return _int8_call(self.env[_input(n)], _packed_for(self.module, n, self.packed),
-                          _rowwise(n), None if bias is None else self.env[bias])
+        bias = None if bias is None else self.env[bias]
+        weight = _packed_for(self.module, n, self.packed, kernel, self.group)
+        if kernel != "int8":
+            return weight_only.linear(self.env[_input(n)], weight, bias)
+        return _int8_call(self.env[_input(n)], weight, _rowwise(n), bias)
 
 
 # A row of zeros keeps a step of 1 instead of dividing by zero.
@@ -229,17 +321,26 @@ def _bias(node: Node) -> Node | None:
     return operands[2]
 
 
-def _packed_for(gm: Any, node: Node, packed: dict[str, Any]) -> Any:
-    """The int8 weight, with the bias inside unless the rows are scaled (added after)."""
-    if node.name not in packed:
+def _packed_for(gm: Any, node: Node, packed: dict[Any, Any], kernel: str = "int8",
+                group: int = weight_only.DEFAULT_GROUP) -> Any:
+    """The quantized weight for ``kernel``: the dynamic int8 one with the bias inside unless
+    the rows are scaled (added after); a weight-only one without (added after)."""
+    key = (node.name, kernel)
+    if key not in packed:
         operands = _operands(node)
         assert operands is not None, node.format_node()
         _, weight_node, bias_node, transposed = operands
         weight = attr(gm, weight_node)
         weight = weight.t().contiguous() if transposed else weight
-        bias = attr(gm, bias_node) if bias_node is not None and not _rowwise(node) else None
-        packed[node.name] = _pack(weight.detach(), None if bias is None else bias.detach())
-    return packed[node.name]
+        if kernel == "int8_weight":
+            packed[key] = weight_only.quantize_int8(weight)
+        elif kernel == "int4":
+            packed[key] = weight_only.quantize_int4(weight, group)
+        else:
+            bias = attr(gm, bias_node) if bias_node is not None and not _rowwise(node) \
+                else None
+            packed[key] = _pack(weight.detach(), None if bias is None else bias.detach())
+    return packed[key]
 
 
 def _input(node: Node) -> Node:

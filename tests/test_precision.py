@@ -666,7 +666,8 @@ def test_unknown_precision_lists_the_valid_ones() -> None:
 
 
 def test_tolerance_needs_a_precision_and_a_sensible_value() -> None:
-    with pytest.raises(ConfigError, match="pass precision='bf16', 'fp16' or 'int8' with it"):
+    with pytest.raises(ConfigError,
+                       match="pass precision='bf16', 'fp16', 'int8' or 'int4' with it"):
         autoopt.OptimizeConfig(tolerance=1e-2)
     with pytest.raises(ConfigError, match=r"tolerance must be a number in \(0, 1\)"):
         autoopt.OptimizeConfig(precision="bf16", tolerance=2.0)

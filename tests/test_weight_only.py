@@ -1,0 +1,256 @@
+"""Weight-only int8 and int4 linears (passes/weight_only.py) under precision='int8'/'int4':
+the kernels against a dequantized reference, each kernel choice verified on tiny decoders, the
+choice by measurement, next-token agreement and its refusal, and the settings refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from torch.fx import GraphModule
+
+import autoopt
+from autoopt import capture
+from autoopt.config import OptimizeConfig
+from autoopt.errors import ConfigError
+from autoopt.passes import PassContext, weight_only
+from autoopt.passes.precision import cast_precision
+from autoopt.precision_target import check_target
+
+aten = torch.ops.aten
+# Tiny layers' quantized kernels measure slower than fp32 here and there: the tests of what
+# each kernel computes quantize every linear (force), with the kernel named.
+ANY_AGREEMENT = {"force": True, "min_agreement": 0.0}
+
+
+def _llama() -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _gpt2() -> transformers.GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=2,
+                                     n_positions=32, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def _export(model: torch.nn.Module, ids: torch.Tensor) -> GraphModule:
+    with torch.no_grad():
+        return capture.export_graph(model, (ids,), {"use_cache": False})
+
+
+def _targets(gm: GraphModule) -> list[Any]:
+    return [n.target for n in gm.graph.nodes]
+
+
+# --- the kernels -----------------------------------------------------------------------------
+
+
+def test_int8_weight_kernel_equals_its_dequantized_reference() -> None:
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(48, 64), torch.randn(48), torch.randn(2, 5, 64)
+    q = weight_only.quantize_int8(weight)
+    assert q.q.dtype == torch.int8 and q.scales.shape == (48,)
+    dequantized = weight_only.dequantize_int8(q)
+    # Per output channel: each weight within half a step of its row's scale.
+    step = q.scales.float()[:, None]
+    assert bool(((dequantized - weight).abs() <= step / 2 + 1e-6).all())
+    got = weight_only.linear(x, q, bias)
+    # The kernel's input is rounded to bf16 and its output returned from bf16.
+    expected = F.linear(x.bfloat16().float(), dequantized, bias)
+    assert got.shape == (2, 5, 48) and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_kernel_equals_its_dequantized_reference(group: int) -> None:
+    torch.manual_seed(0)
+    weight, x = torch.randn(32, 256), torch.randn(3, 256)
+    packed = weight_only.quantize_int4(weight, group)
+    assert packed.packed.dtype == torch.uint8 and packed.scale_zeros.shape == (256 // group, 32,
+                                                                               2)
+    dequantized = weight_only.dequantize_int4(weight, group)
+    # Per group: 16 levels over the group's range, each weight within half a step of it.
+    grouped = weight.reshape(32, -1, group)
+    step = (grouped.amax(-1) - grouped.amin(-1)) / 15
+    error = (dequantized - weight).reshape(32, -1, group).abs().amax(-1)
+    assert bool((error <= step * 0.51 + 1e-2).all())
+    got = weight_only.linear(x, packed, None)
+    expected = F.linear(x.bfloat16().float(), dequantized)
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
+
+
+def test_shapes_the_kernels_cannot_take_are_no_candidates() -> None:
+    assert not weight_only.int4_fits(torch.zeros(50, 64), 32)  # output width not 16k
+    assert not weight_only.int4_fits(torch.zeros(32, 48), 32)  # input width not a group
+    assert not weight_only.int8_weight_fits(torch.zeros(32, 40))  # ATen's kernel would crash
+    with pytest.raises(ValueError, match="multiple of 16"):
+        weight_only.quantize_int4(torch.zeros(50, 64))
+
+
+# --- each kernel on tiny decoders, verified ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("model", "precision", "kernel"), [
+    (_llama, "int8", "int8"), (_llama, "int8", "int8_weight"), (_llama, "int4", "int4"),
+    (_gpt2, "int8", "int8_weight"), (_gpt2, "int4", "int4")])
+def test_each_kernel_computes_the_model_within_the_tolerance(model: Any, precision: str,
+                                                             kernel: str) -> None:
+    """Every linear in the named kernel (GPT-2's are Conv1D: addmm of a weight stored (in,
+    out)); the graph then computes the model's logits within the precision's tolerance on
+    fresh tokens, not only on those the pass measured."""
+    module = model()
+    ids = torch.randint(0, module.config.vocab_size, (2, 16))
+    gm = _export(module, ids)
+    linears = sum(t in (aten.linear.default, aten.addmm.default) for t in _targets(gm))
+    tolerance = {"int8": 5e-2, "int4": 0.5}[precision]
+    result = cast_precision(gm, PassContext((ids, False), options={  # input_ids, use_cache
+        "precision": precision, "tolerance": tolerance, "kernel": kernel, **ANY_AGREEMENT}))
+    summary = result.graph_module.meta["precision"]
+    assert summary.kernels == ((kernel, linears),) and summary.low_ops == linears
+    op = {"int8": torch.ops.quantized.linear_dynamic.default,
+          "int8_weight": aten._weight_int8pack_mm.default,
+          "int4": aten._weight_int4pack_mm_for_cpu.default}[kernel]
+    quantized = result.graph_module
+    quantized.recompile()
+    assert _targets(quantized).count(op) == linears
+    assert not {aten.linear.default, aten.addmm.default} & set(_targets(quantized))
+    # The logits of the LM head: agreement measured on the example's 32 positions.
+    assert summary.agreement is not None and summary.agreement.positions == 32
+    fresh = torch.randint(0, module.config.vocab_size, (2, 16), generator=torch.Generator()
+                          .manual_seed(7))
+    with torch.no_grad():
+        expected = module(fresh, use_cache=False).logits
+        got = quantized(fresh, False)["logits"]
+    assert (got - expected).abs().max() <= tolerance * max(1.0, float(expected.abs().max()))
+    if precision == "int8":  # within int8's rounding, far inside the bound
+        assert (got - expected).abs().max() <= 2e-2 * float(expected.abs().max())
+
+
+class _Picks:
+    """A cost model that measures as told: ``picks`` maps a linear's output width to the
+    kernel that wins for it. Each candidate runs once and must compute the fp32 linear."""
+
+    def __init__(self, picks: dict[int, str]) -> None:
+        self.picks = picks
+        self.asked: list[tuple[str, tuple[str, ...]]] = []
+
+    def recorded(self, what: str, names: object) -> None:
+        return None
+
+    def fastest(self, what: str, candidates: dict[str, Any], repeats: int = 3,
+                cold: bool = False) -> tuple[str, dict[str, float]]:
+        self.asked.append((what, tuple(candidates)))
+        outputs = {name: run()[0] for name, run in candidates.items()}
+        for name, out in outputs.items():
+            torch.testing.assert_close(out, outputs["aten"], rtol=0.1, atol=0.1, msg=name)
+        best = self.picks.get(outputs["aten"].shape[-1], "aten")
+        return best, {name: 1e-4 if name == best else 2e-4 for name in candidates}
+
+
+def test_int8_kernel_of_each_linear_is_chosen_by_measurement() -> None:
+    """Both int8 kernels are timed against fp32's for each shape; each linear gets the one
+    measured fastest, and one where fp32 wins stays fp32."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(),
+                                torch.nn.Linear(48, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 16)).eval()
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        gm = capture.export_graph(model, (x,), {})
+    cost = _Picks({48: "int8_weight", 32: "int8"})
+    result = cast_precision(gm, PassContext((x,), cost=cost, options={"precision": "int8"}))
+    assert [set(names) >= {"aten", "int8", "int8_weight"} for _, names in cost.asked] == \
+        [True] * 3
+    summary = result.graph_module.meta["precision"]
+    assert summary.kernels == (("int8", 1), ("int8_weight", 1))
+    assert [k.why.startswith("int8 measured slower than fp32") for k in summary.kept] == [True]
+    targets = _targets(result.graph_module)
+    assert targets.count(aten._weight_int8pack_mm.default) == 1
+    assert targets.count(torch.ops.quantized.linear_dynamic.default) == 1
+    assert targets.count(aten.linear.default) == 1
+    result.graph_module.recompile()
+    with torch.no_grad():
+        got = result.graph_module(x)
+        expected = model(x)
+    assert (got - expected).abs().max() <= 5e-2 * max(1.0, float(expected.abs().max()))
+
+
+# --- through optimize and generate ------------------------------------------------------------
+
+
+def test_int4_applies_to_a_decoder_and_to_generate_s_steps() -> None:
+    """precision='int4' on a tiny Llama: the report shows the int4 linears and the agreement;
+    generate runs its prompt and decode graphs in int4 too and produces the tokens asked."""
+    model = _llama()
+    ids = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        fast = autoopt.optimize(model, (ids,), precision="int4",
+                                pass_options={"precision": ANY_AGREEMENT})
+        summary = fast.report.captures[0].precision
+        assert summary.precision == "int4" and dict(summary.kernels)["int4"] >= 1
+        assert summary.agreement is not None and summary.agreement.positions == 16
+        report = str(fast.report)
+        assert "int4 weight-only" in report and "next-token agreement" in report
+        out = fast.generate(ids, max_new_tokens=6, do_sample=False)
+    assert out.shape == (1, 22) and torch.equal(out[:, :16], ids)
+    steps = [r.captures[0].precision for r in fast._generator.reports]
+    assert steps and all(p is not None and p.precision == "int4" for p in steps)
+    assert all(p.agreement is not None for p in steps)
+
+
+def test_agreement_below_the_threshold_refuses_the_precision() -> None:
+    """int4 on a tiny random Llama agrees with fp32 on most next tokens but not all: asked for
+    all, optimize refuses, saying what it measured, what was required and what to pass."""
+    model = _llama()
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad(), pytest.raises(ConfigError) as raised:
+        autoopt.optimize(model, (ids,), {"use_cache": False}, precision="int4",
+                         pass_options={"precision": {"force": True, "min_agreement": 1.0}})
+    message = str(raised.value)
+    assert message.startswith("precision='int4' refused for this model: int4's next-token "
+                              "agreement with fp32 given the same tokens: "), message
+    assert "of 32 position(s), " in message and "(required 100%)" in message
+    assert "largest logit error" in message
+    assert "use precision='int8'" in message and "'min_agreement'" in message
+
+
+def test_agreement_counts_argmax_matches_over_positions() -> None:
+    """Strict agreement, and the share judged: a token fp32 scores within 1% of its largest
+    logit of its best (a near-tie) counts as agreeing there."""
+    expected = torch.tensor([[[0.0, 1.0, 0.5], [2.0, 0.0, 0.0], [0.0, 1.0, 0.99]]])
+    actual = torch.tensor([[[0.0, 0.4, 0.6], [2.1, 0.0, 0.0], [0.0, 0.9, 1.0]]])
+    measured = weight_only.agreement([expected], [actual], [0])
+    assert measured is not None
+    assert (measured.agreement, measured.positions) == (pytest.approx(1 / 3), 3)
+    assert measured.decided == pytest.approx(2 / 3)  # 1.0 against 0.99: within 0.02
+    assert measured.logit_error == pytest.approx(0.6) and measured.logit_scale == 2.0
+    assert weight_only.agreement([expected], [actual], []) is None
+
+
+# --- settings refused -------------------------------------------------------------------------
+
+
+def test_int4_in_training_or_on_a_gpu_is_a_config_error() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    with pytest.raises(ConfigError, match=r"precision='int4' is for inference.*'bf16'"):
+        autoopt.optimize(model, (torch.randn(4, 64),), precision="int4", training=True)
+    cfg = OptimizeConfig(precision="int4")
+    with pytest.raises(ConfigError, match=r"CPU only.*'fp16' or 'bf16'"):
+        check_target(cfg, torch.device("cuda"), False)
+
+
+def test_bad_quantization_options_are_config_errors() -> None:
+    for options, match in (({"kernel": "int4"}, "not a int8 kernel"),
+                           ({"group_size": 48}, "group size is one of"),
+                           ({"min_agreement": 2}, r"number in \[0, 1\]")):
+        cfg = OptimizeConfig(precision="int8", pass_options={"precision": options})
+        with pytest.raises(ConfigError, match=match):
+            check_target(cfg, torch.device("cpu"), False)
