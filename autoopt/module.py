@@ -308,7 +308,7 @@ class OptimizedModule(nn.Module):
                                          if id(s) not in gone]
                 # The exported graph reads the tensors live: only what the passes derived
                 # from them is stale. One per signature, the newest.
-                keep = [s for s in stale if s.source is not None]
+                keep = [self._capturer.retire(s) for s in stale if s.source is not None]
                 self._rebuildable = keep + [
                     s for s in self._rebuildable
                     if not any(s.signature == k.signature for k in keep)

@@ -238,11 +238,9 @@ class Capturer:
                                            random_inputs=0,
                                            disable=tuple({*config.disable, *idle}))
         self.written = list(source.written)
-        # The stale graph's packed copies go now (by reference count). Its folded and merged
-        # constants wait for a collection: a graph module is a reference cycle. A full one
-        # costs 0.1-0.5 s in a process holding torch, often more than the rebuild itself,
-        # so it runs only once the constants waiting for it add up to the model's weights.
-        self._uncollected += _constant_bytes(spec)
+        # A full collection (0.1-0.5 s in a process holding torch, often more than the
+        # rebuild itself) only once the constants of dropped graphs waiting for one
+        # (``retire``) add up to the model's weights.
         weights = sum(t.numel() * t.element_size()
                       for t in (*self.module.parameters(), *self.module.buffers()))
         collect = self._uncollected >= weights
@@ -268,6 +266,15 @@ class Capturer:
         log.info("capture: rebuilt the graph for %s for new weights in %.2f s (no export)",
                  source.record.inputs, time.perf_counter() - start)
         return built
+
+    def retire(self, spec: Compiled) -> Compiled:
+        """What is kept of a graph gone stale to ``rebuild`` it later: its signature,
+        backend, exported graph and record, not the graph that ran (its folded, merged and
+        packed copies of the old weights). The packed copies go now (by reference count);
+        the rest waits for a collection, a graph module being a reference cycle."""
+        self._uncollected += _constant_bytes(spec)
+        return Compiled(spec.signature, spec.method, self.module, None, spec.stamp,
+                        spec.watched, spec.backend, spec.source)
 
     def _capture(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                  record: CaptureRecord, source: Source | None = None) -> Compiled:
