@@ -355,8 +355,9 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _swappable(t: torch.Tensor) -> bool:
-    """Whether ``t`` can take another C++ tensor in place (``torch.utils.swap_tensors``):
-    nothing else holds its own (an autograd graph, a gradient) nor hooks on it."""
+    """Whether ``t`` can take another C++ tensor under its Python object (as
+    ``autoopt.module``'s ``_own_memory`` does): nothing else holds its own (an autograd graph,
+    a gradient) nor hooks on it."""
     return (type(t) in (torch.Tensor, nn.Parameter) and t.is_leaf and t.grad is None
             and not t._backward_hooks and t._use_count() == 1)
 
