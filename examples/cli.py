@@ -5,10 +5,11 @@ Run from this folder (``my_model.py`` is here): ``python cli.py``.
 
 import os
 import shlex
-import subprocess
 from pathlib import Path
 
 import torch
+
+from autoopt.cli import main as autoopt_command  # the `autoopt` program, in this process
 
 os.chdir(Path(__file__).resolve().parent)  # where my_model.py is; net.pt2 is written here
 COMMANDS = """
@@ -17,7 +18,7 @@ autoopt optimize my_model.py:Net --input input_ids=2x128:int64 --dynamic batch -
 """
 for command in COMMANDS.strip().splitlines():
     print(f"$ {command}", flush=True)
-    subprocess.run(shlex.split(command), check=True)
+    assert autoopt_command(shlex.split(command)[1:]) == 0, command  # as the shell runs it
 
 net = torch.export.load("net.pt2").module()               # plain torch: no autoopt needed
 logits = net(input_ids=torch.randint(0, 100, (8, 128)))   # named inputs: keywords only

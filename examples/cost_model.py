@@ -2,12 +2,12 @@
 Then the same from the command line with ``autoopt profile``."""
 
 import shlex
-import subprocess
 
 import torch
 import torchvision
 
 from autoopt.capture import export_graph
+from autoopt.cli import main as autoopt_command  # the `autoopt` program, in this process
 from autoopt.cost_model import CostModel, device_info
 
 model, x = torchvision.models.resnet18().eval(), torch.randn(1, 3, 64, 64)
@@ -25,4 +25,4 @@ autoopt profile torchvision.models:resnet18 --input 1x3x64x64 --top 10 --json co
 """
 for command in COMMANDS.strip().splitlines():
     print(f"$ {command}", flush=True)
-    subprocess.run(shlex.split(command), check=True)
+    assert autoopt_command(shlex.split(command)[1:]) == 0, command  # as the shell runs it

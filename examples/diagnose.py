@@ -1,8 +1,7 @@
-"""Why the device is idle, the fixes tried, asynchronous loading, and the HTML report
-(README "Why is the device idle?", docs/diagnosis.md). Run from this folder: data.py is here."""
+"""Why the device is idle, the fixes tried, and asynchronous loading (README "Why is the device
+idle?", docs/diagnosis.md). Run from this folder: data.py is here."""
 
 import torch
-import torchvision
 from data import make_loader
 from torch import nn
 
@@ -18,6 +17,3 @@ print(diagnosis.apply())                  # optimize with the fixes; before/afte
 
 for x, y in autoopt.data.prefetch(loader, "cpu", depth=2):   # CUDA: pinned, side-stream copies
     loss = nn.functional.cross_entropy(model(x), y)
-
-model = torchvision.models.resnet18().eval()
-fast = autoopt.optimize(model, (torch.randn(1, 3, 64, 64),), report="report.html")

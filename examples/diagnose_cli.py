@@ -3,8 +3,9 @@ Run from this folder: data.py and my_model.py are here."""
 
 import os
 import shlex
-import subprocess
 from pathlib import Path
+
+from autoopt.cli import main as autoopt_command  # the `autoopt` program, in this process
 
 os.chdir(Path(__file__).resolve().parent)
 COMMANDS = """
@@ -14,4 +15,4 @@ autoopt report my_model.py:Net --input input_ids=2x128:int64 --steps 5 -o report
 """
 for command in COMMANDS.strip().splitlines():
     print(f"$ {command}", flush=True)
-    subprocess.run(shlex.split(command), check=True)
+    assert autoopt_command(shlex.split(command)[1:]) == 0, command  # as the shell runs it

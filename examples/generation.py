@@ -4,12 +4,12 @@ A tiny Llama-style model from a config: random weights, nothing downloaded.
 """
 
 import shlex
-import subprocess
 
 import torch
 import transformers
 
 import autoopt
+from autoopt.cli import main as autoopt_command  # the `autoopt` program, in this process
 
 config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
                                   num_hidden_layers=2, num_attention_heads=4,
@@ -28,4 +28,4 @@ autoopt generate tiny_lm.py:make_model --prompt-len 16 --new 32 --rounds 1
 """
 for command in COMMANDS.strip().splitlines():
     print(f"$ {command}", flush=True)
-    subprocess.run(shlex.split(command), check=True)
+    assert autoopt_command(shlex.split(command)[1:]) == 0, command  # as the shell runs it

@@ -1,10 +1,13 @@
 """ONNX export checked under ONNX Runtime, and running the file (README "ONNX",
 docs/onnx.md). A tiny BERT from a config: random weights, nothing downloaded."""
 
+import shlex
+
 import torch
 import transformers
 
 import autoopt
+from autoopt.cli import main as autoopt_command  # the `autoopt` program, in this process
 
 config = transformers.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
                                  num_attention_heads=4, intermediate_size=128)
@@ -20,13 +23,10 @@ print(hidden.shape, pooled.shape)
 
 # The same from the command line (my_model.py is in this folder), then the file run under
 # ONNX Runtime on random inputs.
-import shlex  # noqa: E402
-import subprocess  # noqa: E402
-
 COMMANDS = """
 autoopt export my_model.py:Net --input input_ids=2x128:int64 -o net.onnx --dynamic batch
 autoopt run net.onnx --input input_ids=8x128 --bench 20
 """
 for command in COMMANDS.strip().splitlines():
     print(f"$ {command}", flush=True)
-    subprocess.run(shlex.split(command), check=True)
+    assert autoopt_command(shlex.split(command)[1:]) == 0, command  # as the shell runs it

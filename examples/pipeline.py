@@ -3,12 +3,12 @@
 write devices=["cuda:0", "cuda:1"]."""
 
 import shlex
-import subprocess
 
 import torch
 from torch import nn
 
 import autoopt
+from autoopt.cli import main as autoopt_command  # the `autoopt` program, in this process
 
 blocks = [nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(8)]
 model = nn.Sequential(*blocks, nn.Linear(256, 10))     # train mode: a training pipeline
@@ -26,4 +26,4 @@ autoopt partition my_model.py:Net --input input_ids=2x128:int64 --stages 2 --plo
 """
 for command in COMMANDS.strip().splitlines():
     print(f"$ {command}", flush=True)
-    subprocess.run(shlex.split(command), check=True)
+    assert autoopt_command(shlex.split(command)[1:]) == 0, command  # as the shell runs it
