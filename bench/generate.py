@@ -1,5 +1,5 @@
 """LLM decoding: eager ``generate``, the static-cache + ``torch.compile`` recipe, and autoopt's
-``OptimizedModule.generate`` (fp32 and int8 weights), in one run.
+``OptimizedModule.generate`` (fp32, int8 and int4 weights), in one run.
 
     python bench/generate.py --threads 1 --write             # the table in docs/benchmarks.md
     python bench/generate.py --models gpt2 --batches 1 --new 32 --rounds 1   # a quick look
@@ -17,14 +17,19 @@ batch 1 and 8. Runners, interleaved per round, medians over rounds:
 - ``compile``: transformers' documented recipe, ``generation_config.cache_implementation =
   "static"`` and ``model.forward = torch.compile(model.forward)``;
 - ``autoopt``: ``autoopt.optimize(model, (ids,)).generate(...)``, and with ``precision="int8"``
-  (each linear in int8 where its error fits and its int8 kernel measures faster); with
-  ``--int8-forced`` also ``autoopt int8 forced``: ``pass_options={"precision": {"force":
-  True}}``, int8 wherever the error fits, its speed not measured.
+  (each linear in int8 where its error fits, with the int8 kernel, dynamic or weight-only,
+  that measures fastest, fp32 where that does) and ``precision="int4"`` (weight-only, groups
+  of 32) on the CPU; with ``--int8-forced`` also ``autoopt int8 forced``:
+  ``pass_options={"precision": {"force": True}}``, int8 wherever the error fits, its speed not
+  measured. These rows pass ``min_agreement=0``: the precision is timed even where its
+  next-token agreement would refuse it (random weights: nearly flat logits), and the
+  agreement column says what it measured.
 
 Columns: time to first token (until the first token's logits, within the timed call),
 decode tokens/s (tokens after the first, per second of the call after the first token, times
 the batch), the decode speedup over eager, the fraction of new tokens equal to eager's (and
-for the low-precision runner, of eager's next tokens it ranks first given eager's prefix), the
+for the low-precision runner, of eager's next tokens it ranks first given eager's prefix, and the
+largest logit error over that forward against eager's), the
 roofline: the weights' bytes each step reads, over the memory bandwidth measured here (a
 large tensor's sum), as tokens/s; and setup: optimize or compile and two calls, less a
 steady call, so every graph either one captures is counted. ``--cold`` adds the setup of a
@@ -125,16 +130,18 @@ def agreement(tokens: torch.Tensor, eager: torch.Tensor, prompt: int) -> float:
 
 
 def next_token_agreement(forward: Callable[..., Any], model: nn.Module,
-                         eager: torch.Tensor, prompt: int) -> float:
+                         eager: torch.Tensor, prompt: int) -> tuple[float, float]:
     """The fraction of eager's new tokens that ``forward`` also ranks first given the same
     prefix (eager's). Unlike generated tokens, one differing token does not change every
     later one: with random weights the two best logits are close (a median gap of 0.07
     against a spread of 0.55 on the Llama-style model), so greedy sequences part at the first
-    near tie and the fraction of equal generated tokens measures where that happens."""
+    near tie and the fraction of equal generated tokens measures where that happens. With it,
+    the largest logit error over the same positions."""
     with torch.no_grad():
-        reference = model(eager).logits[:, prompt - 1:-1].argmax(-1)
-        got = forward(eager).logits[:, prompt - 1:-1].argmax(-1)
-    return float((got == reference).float().mean())
+        reference = model(eager).logits[:, prompt - 1:-1]
+        got = forward(eager).logits[:, prompt - 1:-1]
+    same = float((got.argmax(-1) == reference.argmax(-1)).float().mean())
+    return same, float((got.float() - reference.float()).abs().max())
 
 
 def compile_recipe(model: nn.Module) -> Callable[..., Any]:
@@ -155,7 +162,11 @@ def set_up(label: str, model: nn.Module, ids: torch.Tensor,
     else:
         words = label.split()  # "autoopt", "autoopt int8", "autoopt int8 forced"
         precision = words[1] if len(words) > 1 else None
-        options = {"precision": {"force": True}} if words[-1] == "forced" else None
+        # int8/int4 timed whatever their agreement: the table shows it.
+        chosen = {"min_agreement": 0.0} if precision in ("int8", "int4") else {}
+        if words[-1] == "forced":
+            chosen["force"] = True
+        options = {"precision": chosen} if chosen else None
         runner = autoopt.optimize(model, (ids,), precision=precision,
                                   pass_options=options).generate
     tokens = runner(ids, **greedy)
@@ -218,8 +229,9 @@ def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
         print(f"[{name} b{batch}] the recipe failed: {failed['compile']}", flush=True)
     else:
         runners["compile"] = synced(recipe, device)
-    low = "int8" if device.type == "cpu" else "bf16"  # int8 is a CPU kernel
-    labels = ("autoopt", f"autoopt {low}") + ((f"autoopt {low} forced",) if int8_forced else ())
+    low = "int8" if device.type == "cpu" else "bf16"  # int8 and int4 are CPU kernels
+    labels = ("autoopt", f"autoopt {low}") + (("autoopt int4",) if low == "int8" else ()) + (
+        (f"autoopt {low} forced",) if int8_forced else ())
     for label in labels:
         print(f"[{name} b{batch}] {label}: optimize and two generate calls", flush=True)
         try:
@@ -250,12 +262,14 @@ def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
                                   for label, why in failed.items()]
     for label, t in timings.items():
         words = label.split()
-        read = read_fp32 / {"int8": 4, "bf16": 2}.get(words[1] if len(words) > 1 else "", 1)
+        read = read_fp32 / {"int8": 4, "int4": 8, "bf16": 2}.get(
+            words[1] if len(words) > 1 else "", 1)
         rows.append(dict(model=name, batch=batch, runner=label,
                          first_ms=t.first_token_s * 1e3, decode=t.decode_tokens_per_s,
                          speedup=t.decode_tokens_per_s / eager,
                          same=agreement(tokens[label], tokens["eager"], prompt),
-                         forced=forced.get(label),
+                         forced=forced[label][0] if label in forced else None,
+                         logit_error=forced[label][1] if label in forced else None,
                          roofline=batch * bytes_per_s / read,
                          setup=setup[label] - t.total_s if label in setup else None,
                          cold=cold_s.get(label), weights_mib=weights / 2**20))
@@ -272,11 +286,13 @@ def table(rows: list[dict[str, Any]], threads: int, command: str, bytes_per_s: f
         f"Prompt {prompt} tokens, {new} new, greedy; medians of interleaved rounds. Memory "
         f"bandwidth measured here: {bytes_per_s / 1e9:.1f} GB/s. Roofline = batch × "
         f"bandwidth / bytes of weights a step reads (all but embedding tables that are not "
-        f"the output head; int8 rows: a byte per weight, bf16 two; the KV cache and "
+        f"the output head; int8 rows: a byte per weight, int4 half, bf16 two; the KV cache and "
         f"activations not counted). New tokens = eager's: the fraction of generated tokens "
         f"equal to eager's at the same position; next token = eager's: the fraction of "
         f"eager's new tokens the runner also ranks first given eager's prefix (one forward "
-        f"over eager's sequences; low-precision rows). Setup = the time until every graph "
+        f"over eager's sequences; low-precision rows, with the largest logit error there; "
+        f"int8 and int4 rows pass min_agreement=0, so that a precision the agreement would "
+        f"refuse is timed). Setup = the time until every graph "
         f"is ready: optimize or compile plus two calls, less one call's median time (autoopt's "
         f"first call runs the prompt step eagerly to size the cache, its second captures the "
         f"prompt graph; the recipe compiles in its first)" + (
@@ -284,24 +300,25 @@ def table(rows: list[dict[str, Any]], threads: int, command: str, bytes_per_s: f
             "caches, less a third call there (a new user's first run)." if cold else "."),
         "",
         "| model | batch | runner | first token ms | decode tokens/s | vs eager | roofline "
-        "tokens/s | new tokens = eager's | next token = eager's | setup s |"
-        + (" cold setup s |" if cold else ""),
-        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cold else "")]
+        "tokens/s | new tokens = eager's | next token = eager's | largest logit error | "
+        "setup s |" + (" cold setup s |" if cold else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cold else "")]
     for r in rows:
         if "failed" in r:
             lines.append(f"| {r['model']} ({r['weights_mib']:.0f} MiB) | {r['batch']} | "
-                         f"{r['runner']} | failed: {r['failed']} | | | | | | |"
+                         f"{r['runner']} | failed: {r['failed']} | | | | | | | |"
                          + (" |" if cold else ""))
             continue
         setup = f"{r['setup']:.1f}" if r["setup"] is not None else "-"
         forced = f"{r['forced']:.1%}" if r["forced"] is not None else "-"
+        logit_error = f"{r['logit_error']:.3g}" if r["logit_error"] is not None else "-"
         found = r.get("cold")
         first = (f" {found:.1f} |" if isinstance(found, float) else
                  f" {found or '-'} |") if cold else ""
         lines.append(f"| {r['model']} ({r['weights_mib']:.0f} MiB) | {r['batch']} | "
                      f"{r['runner']} | {r['first_ms']:.1f} | {r['decode']:.1f} | "
                      f"{r['speedup']:.2f}× | {r['roofline']:.0f} | "
-                     f"{r['same']:.1%} | {forced} | {setup} |{first}")
+                     f"{r['same']:.1%} | {forced} | {logit_error} | {setup} |{first}")
     return "\n".join(lines) + "\n"
 
 
