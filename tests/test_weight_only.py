@@ -110,7 +110,7 @@ def test_each_kernel_computes_the_model_within_the_tolerance(model: Any, precisi
     ids = torch.randint(0, module.config.vocab_size, (2, 16))
     gm = _export(module, ids)
     linears = sum(t in (aten.linear.default, aten.addmm.default) for t in _targets(gm))
-    tolerance = {"int8": 5e-2, "int4": 0.5}[precision]
+    tolerance = {"int8": 5e-2, "int4": 0.9}[precision]
     result = cast_precision(gm, PassContext((ids, False), options={  # input_ids, use_cache
         "precision": precision, "tolerance": tolerance, "kernel": kernel, **ANY_AGREEMENT}))
     summary = result.graph_module.meta["precision"]
