@@ -112,6 +112,27 @@ def test_apply_optimizes_and_keeps_the_function() -> None:
         torch.testing.assert_close(result.optimized(x), model(x))
 
 
+def test_apply_with_keyword_example_inputs() -> None:
+    """Example inputs given as keywords only (the CLI's ``--input input_ids=...``): apply()
+    diagnosed the optimized module without them (TypeError: forward() missing 1 required
+    positional argument)."""
+
+    class Keyed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = _ManySmallOps()
+
+        def forward(self, features: torch.Tensor) -> torch.Tensor:
+            return self.body(features)
+
+    model = Keyed().eval()
+    x = torch.randn(1, 16)
+    result = autoopt.diagnose(model, (), {"features": x}, steps=3).apply(steps=2)
+    assert result.after.step.total_s > 0
+    with torch.no_grad():
+        torch.testing.assert_close(result.optimized(features=x), model(features=x))
+
+
 def test_apply_without_an_optimizer_starts_from_your_statistics() -> None:
     """A training diagnosis without ``optimizer=`` optimized the copy its steps had run on:
     the module ``apply`` returned had BatchNorm statistics five batches along (its eval

@@ -214,7 +214,10 @@ class Diagnosis:
 
             source = prefetch(w.source, w.device, depth=2)
         try:
-            return diagnose(fast, source, training=self.training, steps=steps or self.steps,
+            # Example inputs given as keywords go with the data as they did the first time.
+            kwargs = None if w.is_loader else w.example()[1] or None
+            return diagnose(fast, source, kwargs, training=self.training,
+                            steps=steps or self.steps,
                             device=w.device, unpack=w.unpack, loss_fn=w.loss_fn,
                             interval_s=self.utilization.interval_s, progress=progress,
                             roofline=self.cost is not None,  # as before: roofline=False holds
