@@ -62,6 +62,8 @@ def _operands(node: Node) -> tuple[Any, Any, Any, bool] | None:
 
 # node.meta key: the quantized kernel measured fastest for a linear (a name of KERNELS).
 KERNEL = "autoopt_quantized_kernel"
+# node.meta key: the quantized kernels measured faster than fp32 for it, fastest first.
+FASTER = "autoopt_quantized_faster"
 # The kernels of each precision, by the name they are measured under; the first is the one
 # taken unmeasured.
 KERNELS = {"int8": ("int8", "int8_weight"), "int4": ("int4",)}
@@ -206,6 +208,10 @@ def slower_than_fp32(gm: GraphModule, ctx: Any, nodes: Iterable[Node]) -> dict[s
             if result is None:
                 continue
             best, seconds = result
+            fp32 = min(s for k, s in seconds.items() if k not in KERNELS[precision])
+            node.meta[FASTER] = tuple(sorted(
+                (k for k in KERNELS[precision] if k in seconds and seconds[k] < fp32),
+                key=seconds.__getitem__))
             if best in KERNELS[precision]:
                 node.meta[KERNEL] = best
                 continue

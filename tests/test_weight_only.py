@@ -183,6 +183,27 @@ def test_int8_kernel_of_each_linear_is_chosen_by_measurement() -> None:
     assert (got - expected).abs().max() <= 5e-2 * max(1.0, float(expected.abs().max()))
 
 
+def test_int8_linears_the_dynamic_kernel_errs_on_take_the_weight_only_one() -> None:
+    """The dynamic kernel quantizes activations too: an outlier feature (here 1000 against
+    values near 1, the weight ignoring it) rounds every other feature to zero, and the
+    error kept the linear fp32. The weight-only kernel keeps activations in bf16: the linear
+    runs in int8 with it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32)).eval()
+    with torch.no_grad():
+        model[0].weight[:, 0] = 0.0
+    x = torch.randn(4, 64)
+    x[:, 0] = 1000.0
+    with torch.no_grad():
+        gm = capture.export_graph(model, (x,), {})
+    result = cast_precision(gm, PassContext((x,), options={
+        "precision": "int8", "tolerance": 5e-2, "force": True}))
+    assert result.modified
+    summary = result.graph_module.meta["precision"]
+    assert summary.kernels == (("int8_weight", 1),) and not summary.kept
+    assert summary.achieved_error <= 2.5e-2
+
+
 # --- through optimize and generate ------------------------------------------------------------
 
 
