@@ -29,7 +29,7 @@ Columns: time to first token (until the first token's logits, within the timed c
 decode tokens/s (tokens after the first, per second of the call after the first token, times
 the batch), the decode speedup over eager, the fraction of new tokens equal to eager's (and
 for the low-precision runner, of eager's next tokens it ranks first given eager's prefix, and the
-largest logit error over that forward against eager's), the
+largest logit error over those steps against eager's), the
 roofline: the weights' bytes each step reads, over the memory bandwidth measured here (a
 large tensor's sum), as tokens/s; and setup: optimize or compile and two calls, less a
 steady call, so every graph either one captures is counted. ``--cold`` adds the setup of a
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import platform
 import sys
@@ -129,19 +130,41 @@ def agreement(tokens: torch.Tensor, eager: torch.Tensor, prompt: int) -> float:
     return float((new == reference).float().mean())
 
 
-def next_token_agreement(forward: Callable[..., Any], model: nn.Module,
+class _Forced(transformers.LogitsProcessor):
+    """Teacher forcing through ``generate``: records each step's logits and makes the step
+    choose eager's next token, so every step runs on eager's prefix."""
+
+    def __init__(self, eager: torch.Tensor) -> None:
+        self.eager = eager
+        self.seen: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.seen.append(scores.detach().float().clone())
+        forced = torch.full_like(scores, -math.inf)
+        return forced.scatter_(1, self.eager[:, input_ids.shape[1], None], 0.0)
+
+
+def next_token_agreement(generate: Callable[..., Any], model: nn.Module,
                          eager: torch.Tensor, prompt: int) -> tuple[float, float]:
-    """The fraction of eager's new tokens that ``forward`` also ranks first given the same
-    prefix (eager's). Unlike generated tokens, one differing token does not change every
-    later one: with random weights the two best logits are close (a median gap of 0.07
-    against a spread of 0.55 on the Llama-style model), so greedy sequences part at the first
-    near tie and the fraction of equal generated tokens measures where that happens. With it,
-    the largest logit error over the same positions."""
+    """The fraction of eager's new tokens that ``generate`` also ranks first given the same
+    prefix (eager's), and the largest logit error there. Each step of the runner's own
+    ``generate`` (its prompt and decode graphs, as the timed calls run them) is fed eager's
+    tokens by a logits processor that records the step's logits and then forces eager's
+    token. Unlike generated tokens, one differing token does not change every later one:
+    with random weights the two best logits are close (a median gap of 0.07 against a spread
+    of 0.55 on the Llama-style model), so greedy sequences part at the first near tie and the
+    fraction of equal generated tokens measures where that happens."""
+    new = eager.shape[1] - prompt
+    logits = []
     with torch.no_grad():
-        reference = model(eager).logits[:, prompt - 1:-1]
-        got = forward(eager).logits[:, prompt - 1:-1]
+        for run in (model.generate, generate):
+            forced = _Forced(eager)
+            run(eager[:, :prompt], max_new_tokens=new, do_sample=False,
+                logits_processor=transformers.LogitsProcessorList([forced]))
+            logits.append(torch.stack(forced.seen, 1))
+    reference, got = logits
     same = float((got.argmax(-1) == reference.argmax(-1)).float().mean())
-    return same, float((got.float() - reference.float()).abs().max())
+    return same, float((got - reference).abs().max())
 
 
 def compile_recipe(model: nn.Module) -> Callable[..., Any]:
@@ -255,7 +278,7 @@ def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
     eager = timings["eager"].decode_tokens_per_s
     # Only where the weights are stored in low precision: fp32 runners generate eager's tokens.
     print(f"[{name} b{batch}] autoopt {low}: next tokens given eager's prefix", flush=True)
-    forced = {label: next_token_agreement(modules[label], model, tokens["eager"], prompt)
+    forced = {label: next_token_agreement(runners[label], model, tokens["eager"], prompt)
               for label in labels[1:] if label in modules}
     rows: list[dict[str, Any]] = [dict(model=name, batch=batch, runner=label, failed=why,
                                        weights_mib=weight_bytes(model) / 2**20)
@@ -289,8 +312,9 @@ def table(rows: list[dict[str, Any]], threads: int, command: str, bytes_per_s: f
         f"the output head; int8 rows: a byte per weight, int4 half, bf16 two; the KV cache and "
         f"activations not counted). New tokens = eager's: the fraction of generated tokens "
         f"equal to eager's at the same position; next token = eager's: the fraction of "
-        f"eager's new tokens the runner also ranks first given eager's prefix (one forward "
-        f"over eager's sequences; low-precision rows, with the largest logit error there; "
+        f"eager's new tokens the runner also ranks first given eager's prefix (its own generate "
+        f"with eager's tokens forced at each step by a logits processor; low-precision rows, "
+        f"with the largest logit error there; "
         f"int8 and int4 rows pass min_agreement=0, so that a precision the agreement would "
         f"refuse is timed). Setup = the time until every graph "
         f"is ready: optimize or compile plus two calls, less one call's median time (autoopt's "
