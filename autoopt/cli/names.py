@@ -11,6 +11,6 @@ PASS_NAMES: tuple[str, ...] = (
     "attention_window",
 )
 # autoopt.passes.precision.PRECISIONS.
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8")
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8", "int4")
 # autoopt.export.onnx_writer.EXPORTERS.
 EXPORTERS: tuple[str, ...] = ("auto", "dynamo", "torchscript")
