@@ -737,6 +737,13 @@ class GenerativeModule(OptimizedModule):
         with progress.reported("generate"):  # a first call captures its step graphs
             return generator.generate(*args, **kwargs)
 
+    @property
+    def generation_stats(self) -> GenerationStats | None:
+        """What the last ``generate`` call ran: steps through autoopt's graphs and eagerly,
+        its seconds, the cache type, and why steps ran eagerly (None before a first call)."""
+        generator = self.__dict__.get("_generator")
+        return generator.stats if generator is not None else None
+
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.pop("_generator", None)  # its step graphs, like the module's own

@@ -52,13 +52,14 @@ def test_greedy_tokens_and_scores_are_eager_s(name: str) -> None:
     assert torch.equal(got.sequences, want.sequences)
     for a, b in zip(got.scores, want.scores, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    stats = fast._generator.stats
+    stats = fast.generation_stats  # public: what the last call ran
+    assert stats is fast._generator.stats
     assert stats.graph_steps == 5 and stats.eager_steps == 1  # the first prompt allocates
     # The next call: its prompt step runs through a graph too (captured once, for this
     # prompt length), and the call after that captures nothing.
     again = fast.generate(ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(again, want.sequences)
-    assert fast._generator.stats.eager_steps == 0
+    assert fast.generation_stats.eager_steps == 0
     captures = [len(r.captures) for r in fast._generator.reports]
     assert captures == [1, 1]  # decode; prompt (its length symbolic)
     assert torch.equal(fast.generate(ids, max_new_tokens=6, do_sample=False), want.sequences)
