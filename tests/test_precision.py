@@ -661,7 +661,7 @@ def test_onnx_export_carries_fp16_compute_with_fp32_islands(tmp_path: Any) -> No
 
 def test_unknown_precision_lists_the_valid_ones() -> None:
     with pytest.raises(ConfigError, match=r"precision='fp8' is not supported; use one of "
-                                          r"\[None, 'fp32', 'bf16', 'fp16', 'int8'\]"):
+                                          r"\[None, 'fp32', 'bf16', 'fp16', 'int8', 'int4'\]"):
         autoopt.OptimizeConfig(precision="fp8")
 
 
