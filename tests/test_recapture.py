@@ -181,14 +181,19 @@ def test_dynamic_training_with_a_memory_budget_is_one_graph_for_every_length() -
     fast = autoopt.optimize(model, (ids,), {"attention_mask": torch.ones_like(ids)},
                             dynamic=True, memory_budget=0.5)
     assert fast.report.captures[0].memory_plan is not None
-    for length in (16, 9, 23):
+    _trains_like(fast, twin, (16, 9, 23))
+    assert len(fast.report.captures) == 1, fast.report
+
+
+def _trains_like(fast: nn.Module, twin: nn.Module, lengths: tuple[int, ...]) -> None:
+    """A training step at each sequence length: outputs and gradients are the twin's."""
+    for length in lengths:
         ids = _ids(length)
         out, grads = _train_step(fast, ids)
         expected, expected_grads = _train_step(twin, ids)
         _close(out, expected)
         for g, e in zip(grads, expected_grads, strict=True):
             _close(g, e)
-    assert len(fast.report.captures) == 1, fast.report
 
 
 def test_a_second_length_makes_that_dimension_dynamic(exports: list[object]) -> None:
@@ -199,13 +204,7 @@ def test_a_second_length_makes_that_dimension_dynamic(exports: list[object]) -> 
     twin = copy.deepcopy(model)
     ids = _ids(16)
     fast = autoopt.optimize(model, (ids,), {"attention_mask": torch.ones_like(ids)})
-    for length in (16, 9, 23, 12, 5):
-        ids = _ids(length)
-        out, grads = _train_step(fast, ids)
-        expected, expected_grads = _train_step(twin, ids)
-        _close(out, expected)
-        for g, e in zip(grads, expected_grads, strict=True):
-            _close(g, e)
+    _trains_like(fast, twin, (16, 9, 23, 12, 5))
     assert len(fast.report.captures) == len(exports) == 2, fast.report
     first, second = (s.signature for s in fast.specializations)
     assert first is not None and second is not None
