@@ -48,6 +48,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import autoopt
+from autoopt.backends import openvino as openvino_backend
 
 transformers.logging.set_verbosity_error()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -153,7 +154,8 @@ def _openvino_builds(model: nn.Module, args: tuple, kwargs: dict, skip: frozense
                                   "PERFORMANCE_HINT": "LATENCY"}
         if hint:
             config["INFERENCE_PRECISION_HINT"] = hint
-        compiled = ov.Core().compile_model(converted[0], "CPU", config)
+        # autoopt's Core: one per process (a Core per model can crash it, see core()).
+        compiled = openvino_backend.core().compile_model(converted[0], "CPU", config)
         request = compiled.create_infer_request()
         arrays = [t.numpy() for t in tensors]
         return lambda *_, **__: torch.from_numpy(

@@ -6,6 +6,8 @@ No test asserts that OpenVINO is fastest: that is this machine's measurement.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -155,6 +157,35 @@ def test_training_skips_openvino_and_forcing_it_raises() -> None:
     assert "inference only" in choice.skipped["openvino"]
     with pytest.raises(ConfigError, match="inference only"):
         autoopt.optimize(model, args, kwargs, training=True, backend="openvino")
+
+
+# Run in a process of its own: on failure the process dies of SIGSEGV, which would end the suite.
+_MODELS_RELEASED_IN_TURN = """
+import gc, signal
+import torch
+from torch import nn
+import autoopt
+
+x = torch.randn(2, 8)
+fast = [autoopt.optimize(nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval(), (x,),
+                         backend="openvino") for _ in range(2)]
+del fast[0]; gc.collect()  # the first model released first, as a loop of optimizes does
+del fast[0]; gc.collect()
+signal.signal(signal.SIGUSR1, lambda *_: print("handled", flush=True))
+signal.raise_signal(signal.SIGUSR1)  # a handled signal: a child's exit, Ctrl-C
+"""
+
+
+@needs_openvino
+def test_a_handled_signal_after_openvino_models_are_released_in_turn() -> None:
+    """Each ``openvino.Core`` loaded its own CPU plugin, which puts an alternate signal stack
+    on the thread and unmaps it when destroyed: two models released in the order they were
+    made left the thread on an unmapped stack, and the next handled signal killed the process
+    (the test suite died of it, 35 minutes in, when a child process exited)."""
+    done = subprocess.run([sys.executable, "-c", _MODELS_RELEASED_IN_TURN],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.strip() == "handled"
 
 
 def test_missing_openvino_is_skipped_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -103,8 +103,6 @@ def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str
         precision: ``fp32`` or ``bf16``: OpenVINO's inference precision hint.
         exports: where ONNX Runtime's candidate left the same graph's file, if it did.
     """
-    import openvino as ov
-
     kwargs = in_forward_order(gm.forward, kwargs)
     input_names = name_inputs(forward, args, kwargs)
     output_names = name_outputs(expected)
@@ -114,9 +112,8 @@ def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str
               "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1}
 
     def compile_file(path: Any) -> OvSession:
-        core = ov.Core()
         with memory_profile.stage("openvino compile"):
-            compiled = core.compile_model(core.read_model(str(path)), "CPU", config)
+            compiled = core().compile_model(core().read_model(str(path)), "CPU", config)
         return OvSession(compiled, precision, threads, input_names)
 
     session = onnx_graph.opened(gm, args, kwargs, input_names, output_names, device, expected,
@@ -124,6 +121,30 @@ def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str
     run = OrtGraph(session, input_names, expected, list(kwargs), lookups(gm, input_names))
     log.info("openvino: compiled in %s with %d threads", HINTS[precision], threads)
     return run
+
+
+def core() -> Any:
+    """The process's one ``openvino.Core``, made on first use and kept until the process ends.
+
+    Each Core loads a CPU plugin of its own, and the plugin puts an alternate signal stack of
+    its own on the thread that creates it; when the plugin is destroyed it unmaps that stack
+    and puts back the one it found. Two plugins destroyed in the order they were made (an
+    earlier model released before a later one, as a loop of optimizes does) left the thread
+    pointing at an unmapped stack, and the next signal with a handler (a child process's exit,
+    Ctrl-C) killed the process with SIGSEGV. One Core, never destroyed, is one plugin that
+    never is; it also saves each compile the plugin's start-up.
+    """
+    global _CORE
+    with _CORE_LOCK:
+        if _CORE is None:
+            import openvino as ov
+
+            _CORE = ov.Core()
+        return _CORE
+
+
+_CORE: Any = None
+_CORE_LOCK = threading.Lock()
 
 
 def describe(precision: str) -> str:
