@@ -126,7 +126,7 @@ def dequantize_int4(weight: torch.Tensor, group: int = DEFAULT_GROUP) -> torch.T
 def linear(x: torch.Tensor, weight: Int8Weight | Int4Weight,
            bias: torch.Tensor | None) -> torch.Tensor:
     """The weight-only linear, run eagerly: what ``emit`` writes into a graph."""
-    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    rows = _kernel_rows(x)
     if isinstance(weight, Int8Weight):
         y = aten._weight_int8pack_mm(rows, weight.q, weight.scales)
     else:
@@ -134,6 +134,23 @@ def linear(x: torch.Tensor, weight: Int8Weight | Int4Weight,
                                              weight.scale_zeros)
     y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
     return y if bias is None else y + bias
+
+
+def _kernel_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernels read it: bf16 rows, contiguous, from an aligned address.
+
+    ATen's int8 kernel reads rows ``in`` elements apart from the first one's address with
+    aligned 32-byte loads, and checks only the last dimension's stride: a bf16 input that is a
+    view (a slice of a wider tensor, at an offset) reads the wrong rows or faults the process.
+    """
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    if not rows.is_contiguous() or rows.data_ptr() % _ALIGNMENT:
+        rows = rows.clone(memory_format=torch.contiguous_format)
+    return rows
+
+
+# The CPU allocator's alignment, which the kernels' aligned loads need (32 bytes for bf16 rows).
+_ALIGNMENT = 64
 
 
 def tensors(weight: Int8Weight | Int4Weight) -> dict[str, torch.Tensor]:
@@ -159,8 +176,11 @@ def emit(gm: GraphModule, node: Node, x: Node, weight: Int8Weight | Int4Weight,
     rows = _call(graph, aten.reshape.default, (x, [-1, width]), x_val.reshape(-1, width)) \
         if flat else x
     rows_val = meta_val(rows)
-    low = _call(graph, aten._to_copy.default, (rows,), rows_val.to(torch.bfloat16),
-                {"dtype": torch.bfloat16})
+    # A copy always (the input may be bf16 already): a new contiguous allocation is aligned,
+    # as the int8 kernel's loads need (see _kernel_rows).
+    low = _call(graph, aten._to_copy.default, (rows,),
+                rows_val.to(torch.bfloat16, memory_format=torch.contiguous_format),
+                {"dtype": torch.bfloat16, "memory_format": torch.contiguous_format})
     y_flat_val = y_val.reshape(-1, out)
     if isinstance(weight, Int8Weight):
         y = _call(graph, aten._weight_int8pack_mm.default,

@@ -87,6 +87,22 @@ def test_int4_kernel_equals_its_dequantized_reference(group: int) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
 
 
+@pytest.mark.parametrize("offset", [16, 8])
+def test_bf16_inputs_that_are_views_reach_the_kernels_as_their_rows(offset: int) -> None:
+    """A bf16 input sliced from a wider tensor: ATen's int8 kernel read rows at the input
+    width from the first one (wrong rows at a 32-byte offset) and faulted the process on
+    another alignment (aligned loads at a 16-byte offset)."""
+    torch.manual_seed(0)
+    weight = torch.randn(32, 64)
+    wide = torch.randn(4, 64 + offset, dtype=torch.bfloat16)
+    x = wide[:, offset:]
+    assert x.stride(0) != 64
+    for packed in (weight_only.quantize_int8(weight), weight_only.quantize_int4(weight, 32)):
+        got = weight_only.linear(x, packed, None)
+        expected = weight_only.linear(x.contiguous(), packed, None)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_shapes_the_kernels_cannot_take_are_no_candidates() -> None:
     assert not weight_only.int4_fits(torch.zeros(50, 64), 32)  # output width not 16k
     assert not weight_only.int4_fits(torch.zeros(32, 48), 32)  # input width not a group
