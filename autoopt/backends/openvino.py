@@ -112,8 +112,9 @@ def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str
               "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1}
 
     def compile_file(path: Any) -> OvSession:
+        ov_core = core()
         with memory_profile.stage("openvino compile"):
-            compiled = core().compile_model(core().read_model(str(path)), "CPU", config)
+            compiled = ov_core.compile_model(ov_core.read_model(str(path)), "CPU", config)
         return OvSession(compiled, precision, threads, input_names)
 
     session = onnx_graph.opened(gm, args, kwargs, input_names, output_names, device, expected,
