@@ -11,8 +11,8 @@ seconds torch and the whole library take to import.
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from . import diagnose as _diagnose_package  # noqa: F401 - light; loaded now, see below
-from .errors import (
+from autoopt import diagnose as _diagnose_package  # noqa: F401 - light; loaded now, see below
+from autoopt.errors import (
     AutoOptError,
     ConfigError,
     DependencyError,
@@ -27,16 +27,16 @@ from .errors import (
 del globals()["diagnose"]
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
-    from .api import OptimizedModule, optimize
-    from .capture.dynamo import autoopt_backend
-    from .config import OptimizeConfig
-    from .diagnose.diagnosis import Diagnosis, diagnose
-    from .export.onnx import OnnxReport, OnnxVerificationError, export_onnx
-    from .export.session import OnnxSession, onnx_session
-    from .parallel.pipeline import Pipeline
-    from .report import CaptureRecord, PassRecord, Report
-    from .runtime import prefetch as data
-    from .verify import Tolerance, VerifyResult
+    from autoopt.api import OptimizedModule, optimize
+    from autoopt.capture.dynamo import autoopt_backend
+    from autoopt.config import OptimizeConfig
+    from autoopt.diagnose.diagnosis import Diagnosis, diagnose
+    from autoopt.export.onnx import OnnxReport, OnnxVerificationError, export_onnx
+    from autoopt.export.session import OnnxSession, onnx_session
+    from autoopt.parallel.pipeline import Pipeline
+    from autoopt.report import CaptureRecord, PassRecord, Report
+    from autoopt.runtime import prefetch as data
+    from autoopt.verify import Tolerance, VerifyResult
 
 __version__ = "0.1.0"
 

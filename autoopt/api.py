@@ -15,14 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import progress
-from .build import capture_example, check_inputs, prepare, unwrap
-from .config import OptimizeConfig
-from .diagnose.collect import collect
-from .diagnose.render import write_report
-from .generation import module_class
-from .module import OptimizedModule, Specialization
-from .parallel.planning import pipeline_module
+from autoopt import progress
+from autoopt.build import capture_example, check_inputs, prepare, unwrap
+from autoopt.config import OptimizeConfig
+from autoopt.diagnose.collect import collect
+from autoopt.diagnose.render import write_report
+from autoopt.generation import module_class
+from autoopt.module import OptimizedModule, Specialization
+from autoopt.parallel.planning import pipeline_module
 
 __all__ = ["OptimizedModule", "Specialization", "check_inputs", "optimize"]
 

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from . import precision_target as precision_lib
-from .config import OptimizeConfig
-from .errors import ConfigError, DeviceError, InputError, ModelError
-from .module import OptimizedModule
-from .specialize import EagerRaised, model_device
+from autoopt import precision_target as precision_lib
+from autoopt.config import OptimizeConfig
+from autoopt.errors import ConfigError, DeviceError, InputError, ModelError
+from autoopt.module import OptimizedModule
+from autoopt.specialize import EagerRaised, model_device
 
 
 def prepare(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, Any] | None,

@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from .backends import BACKENDS, BACKENDS_VARIABLE, INDUCTOR_OPTIONS
-from .errors import ConfigError
-from .memory import parse_budget, parse_modes
-from .passes import PIPELINE, PassFn
-from .passes.precision import DEFAULT_TOLERANCE, PRECISIONS
-from .verify import Tolerance
+from autoopt.backends import BACKENDS, BACKENDS_VARIABLE, INDUCTOR_OPTIONS
+from autoopt.errors import ConfigError
+from autoopt.memory import parse_budget, parse_modes
+from autoopt.passes import PIPELINE, PassFn
+from autoopt.passes.precision import DEFAULT_TOLERANCE, PRECISIONS
+from autoopt.verify import Tolerance
 
 CAPTURE_METHODS = ("export", "symbolic_trace", "dynamo")
 

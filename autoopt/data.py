@@ -4,6 +4,6 @@ not a copy, so names set or patched on one are seen through the other."""
 
 import sys
 
-from .runtime import prefetch as _module
+from autoopt.runtime import prefetch as _module
 
 sys.modules[__name__] = _module

@@ -5,6 +5,6 @@ the other."""
 
 import sys
 
-from .parallel import distributed as _module
+from autoopt.parallel import distributed as _module
 
 sys.modules[__name__] = _module

@@ -17,13 +17,13 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from . import memory_profile
-from .cost_model.isolation import is_read_only
-from .passes import LOWERING, PassContext, PassFn
-from .passes.graph import add_constant, attr, fake_like
-from .passes.merge_linear import CONCATENATED, MERGED_FROM
-from .report import PassRecord
-from .verify import VerifyResult
+from autoopt import memory_profile
+from autoopt.cost_model.isolation import is_read_only
+from autoopt.passes import LOWERING, PassContext, PassFn
+from autoopt.passes.graph import add_constant, attr, fake_like
+from autoopt.passes.merge_linear import CONCATENATED, MERGED_FROM
+from autoopt.report import PassRecord
+from autoopt.verify import VerifyResult
 
 log = logging.getLogger(__name__)
 

@@ -4,6 +4,6 @@ copy, so names set or patched on one are seen through the other."""
 
 import sys
 
-from .export import program as _module
+from autoopt.export import program as _module
 
 sys.modules[__name__] = _module

@@ -37,14 +37,14 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from . import progress
-from .build import build
-from .capture import objects
-from .errors import ConfigError, ModelError
-from .guards import training_flags
-from .module import OptimizedModule
-from .state import hook_keys
-from .watch import ModuleWatch
+from autoopt import progress
+from autoopt.build import build
+from autoopt.capture import objects
+from autoopt.errors import ConfigError, ModelError
+from autoopt.guards import training_flags
+from autoopt.module import OptimizedModule
+from autoopt.state import hook_keys
+from autoopt.watch import ModuleWatch
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from .errors import ConfigError
-from .passes import PassContext
-from .planning.activations import profile_activations
-from .planning.memory_plan import BudgetTooSmall, MemoryPlan, plan_memory
-from .planning.segments import MODES, OFFLOAD, SELECTIVE
-from .runtime.offload import Offload, Offloader
-from .runtime.recompute import SELECTIVE_BACKWARD_TWICE, apply_plan
+from autoopt.errors import ConfigError
+from autoopt.passes import PassContext
+from autoopt.planning.activations import profile_activations
+from autoopt.planning.memory_plan import BudgetTooSmall, MemoryPlan, plan_memory
+from autoopt.planning.segments import MODES, OFFLOAD, SELECTIVE
+from autoopt.runtime.offload import Offload, Offloader
+from autoopt.runtime.recompute import SELECTIVE_BACKWARD_TWICE, apply_plan
 
 log = logging.getLogger(__name__)
 

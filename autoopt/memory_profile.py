@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .cost_model.allowance import (  # noqa: F401 - optimize_memory's allowance, here too
+from autoopt.cost_model.allowance import (  # noqa: F401 - optimize_memory's allowance, here too
     Allowance,
     allowance,
     allowing,

@@ -20,10 +20,10 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from .concurrency import GATE
-from .config import OptimizeConfig
-from .cost_model import CostModel
-from .guards import (
+from autoopt.concurrency import GATE
+from autoopt.config import OptimizeConfig
+from autoopt.cost_model import CostModel
+from autoopt.guards import (
     InputSignature,
     TensorSpec,
     current_modes,
@@ -31,12 +31,12 @@ from .guards import (
     signature_of,
     training_flags,
 )
-from .report import Report
-from .runtime import cuda_graphs
-from .specialize import Capturer, Compiled, EagerRaised, model_device
-from .state import has_hooks
-from .verify import clone_inputs
-from .watch import ModuleWatch
+from autoopt.report import Report
+from autoopt.runtime import cuda_graphs
+from autoopt.specialize import Capturer, Compiled, EagerRaised, model_device
+from autoopt.state import has_hooks
+from autoopt.verify import clone_inputs
+from autoopt.watch import ModuleWatch
 
 log = logging.getLogger(__name__)
 
@@ -424,7 +424,7 @@ class OptimizedModule(nn.Module):
                        for b in m._buffers.values() if b is not None}
             watched = [t for t in self._watch.tensors if id(t) not in written
                        and not (differentiable and t.requires_grad)]
-            from .progress import reported  # a first call of new inputs: minutes, said
+            from autoopt.progress import reported  # a first call of new inputs: minutes, said
 
             with reported("call: capturing new inputs"), GATE.capturing(), \
                     torch.random.fork_rng(devices=sorted(devices)), _own_saved_tensors():

@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .cost_model.dtype_speed import matmul_flops
-from .errors import ConfigError
-from .passes.precision import DEFAULT_TRAINING_TOLERANCE, LOW_DTYPES
-from .passes.precision_int8 import KERNELS
-from .passes.weight_only import GROUPS
+from autoopt.cost_model.dtype_speed import matmul_flops
+from autoopt.errors import ConfigError
+from autoopt.passes.precision import DEFAULT_TRAINING_TOLERANCE, LOW_DTYPES
+from autoopt.passes.precision_int8 import KERNELS
+from autoopt.passes.weight_only import GROUPS
 
 if TYPE_CHECKING:
-    from .config import OptimizeConfig
-    from .report import Report
+    from autoopt.config import OptimizeConfig
+    from autoopt.report import Report
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def autocast_tolerance(cfg: OptimizeConfig, model: torch.nn.Module, args: tuple[
     low = LOW_DTYPES.get(cfg.precision or "")
     if not training or low is None or cfg.tolerance is not None or "precision" in cfg.disable:
         return cfg
-    from .cost_model.isolation import preserved
+    from autoopt.cost_model.isolation import preserved
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     try:
@@ -178,7 +178,7 @@ def export_config(config: OptimizeConfig | Mapping[str, Any] | None, precision: 
                   ) -> OptimizeConfig | Mapping[str, Any] | None:
     """The optimize config for ``export_onnx(..., precision=p)``: the ONNX runtime, not this
     CPU, runs the graph, so the casts are made even where PyTorch here would be slower."""
-    from .config import OptimizeConfig
+    from autoopt.config import OptimizeConfig
 
     if precision is None:
         return config

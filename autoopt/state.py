@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .cost_model.isolation import _MODULE_INTERNALS, _copy_attribute, _freeze, preserved
+from autoopt.cost_model.isolation import _MODULE_INTERNALS, _copy_attribute, _freeze, preserved
 
 __all__ = ["ABSENT", "HookKey", "StateKey", "assign_attributes", "attribute_copies",
            "attribute_values", "changed_state", "has_hooks", "hook_keys", "own_buffers",
@@ -147,7 +147,7 @@ def uses_custom_autograd(outputs: Any) -> bool:
     whose hand-written backward a traced graph of its forward ops would silently replace."""
     from torch.autograd.function import BackwardCFunction
 
-    from .verify import _leaves
+    from autoopt.verify import _leaves
 
     stack = [leaf.grad_fn for _, leaf in _leaves(outputs, "out")
              if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None]

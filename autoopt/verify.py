@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from . import memory_profile
-from .errors import wrapped_error
+from autoopt import memory_profile
+from autoopt.errors import wrapped_error
 
 log = logging.getLogger(__name__)
 

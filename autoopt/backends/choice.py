@@ -25,13 +25,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .. import memory_profile
-from ..cost_model import CostModel
-from ..errors import ConfigError
-from ..export.onnx_writer import first_line
-from ..report import BackendChoice
-from ..state import preserved
-from ..verify import VerifyResult
+from autoopt import memory_profile
+from autoopt.cost_model import CostModel
+from autoopt.errors import ConfigError
+from autoopt.export.onnx_writer import first_line
+from autoopt.report import BackendChoice
+from autoopt.state import preserved
+from autoopt.verify import VerifyResult
 
 log = logging.getLogger(__name__)
 

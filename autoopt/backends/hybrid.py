@@ -40,9 +40,9 @@ from torch.fx import GraphModule, Node
 from torch.fx.graph import CodeGen
 from torch.utils import _pytree as pytree
 
-from ..driver import copy_graph_module
-from ..state import preserved
-from . import inductor
+from autoopt.backends import inductor
+from autoopt.driver import copy_graph_module
+from autoopt.state import preserved
 
 # The kernel table of the graph this thread is running (or compiling): the op's ``index``
 # points into it. Each entry: the kernel, its arguments with each tensor an index into the

@@ -39,7 +39,7 @@ import torch
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from ..cost_model import default_cache_dir
+from autoopt.cost_model import default_cache_dir
 
 log = logging.getLogger(__name__)
 

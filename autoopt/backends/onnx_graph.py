@@ -17,11 +17,11 @@ from typing import Any, TypeVar
 import torch
 from torch.fx import GraphModule
 
-from .. import memory_profile
-from ..capture import objects
-from ..export.onnx_writer import write_onnx
-from ..export.program import symbolic_dims
-from . import onnx_cache
+from autoopt import memory_profile
+from autoopt.backends import onnx_cache
+from autoopt.capture import objects
+from autoopt.export.onnx_writer import write_onnx
+from autoopt.export.program import symbolic_dims
 
 log = logging.getLogger(__name__)
 

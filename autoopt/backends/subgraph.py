@@ -14,16 +14,16 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from ..config import OptimizeConfig
-from ..cost_model import CostModel
-from ..driver import copy_graph_module, portable
-from ..passes.graph import written_placeholders, written_tensors
-from ..report import BackendChoice
-from ..state import preserved
-from ..verify import VerifyResult, clone_inputs
-from . import inductor
-from .choice import Lowering, choose_backend
-from .whole_graph import identity
+from autoopt.backends import inductor
+from autoopt.backends.choice import Lowering, choose_backend
+from autoopt.backends.whole_graph import identity
+from autoopt.config import OptimizeConfig
+from autoopt.cost_model import CostModel
+from autoopt.driver import copy_graph_module, portable
+from autoopt.passes.graph import written_placeholders, written_tensors
+from autoopt.report import BackendChoice
+from autoopt.state import preserved
+from autoopt.verify import VerifyResult, clone_inputs
 
 
 def lower_subgraph(optimized: GraphModule, example_inputs: Sequence[Any], inputs: list[Any], *,

@@ -19,19 +19,19 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from ..capture.graph import flat_example_inputs
-from ..config import OptimizeConfig
-from ..cost_model import CostModel
-from ..cost_model.estimate import value_spec
-from ..cost_model.isolation import written_placeholders
-from ..driver import full_precision, portable
-from ..passes.graph import release_packed, restore_packed
-from ..report import BackendChoice
-from ..state import preserved
-from ..verify import VerifyResult, clone_inputs
-from . import hybrid, inductor, onnx_graph, openvino
-from . import onnxruntime as ort
-from .choice import Lowering, choose_backend
+from autoopt.backends import hybrid, inductor, onnx_graph, openvino
+from autoopt.backends import onnxruntime as ort
+from autoopt.backends.choice import Lowering, choose_backend
+from autoopt.capture.graph import flat_example_inputs
+from autoopt.config import OptimizeConfig
+from autoopt.cost_model import CostModel
+from autoopt.cost_model.estimate import value_spec
+from autoopt.cost_model.isolation import written_placeholders
+from autoopt.driver import full_precision, portable
+from autoopt.passes.graph import release_packed, restore_packed
+from autoopt.report import BackendChoice
+from autoopt.state import preserved
+from autoopt.verify import VerifyResult, clone_inputs
 
 
 def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Module,

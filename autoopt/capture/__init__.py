@@ -5,6 +5,6 @@ metadata every node carries. ``dynamo``: autoopt as a ``torch.compile`` backend,
 subgraph optimized and the rest eager.
 """
 
-from .graph import annotate, export_graph, flat_example_inputs, symbolic_trace_graph
+from autoopt.capture.graph import annotate, export_graph, flat_example_inputs, symbolic_trace_graph
 
 __all__ = ["annotate", "export_graph", "flat_example_inputs", "symbolic_trace_graph"]

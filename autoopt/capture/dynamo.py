@@ -14,16 +14,16 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from ..backends.subgraph import lower_subgraph
-from ..config import OptimizeConfig
-from ..cost_model import CostModel
-from ..driver import copy_graph_module, run_pipeline
-from ..passes import PassContext
-from ..passes.graph import written_placeholders, written_tensors
-from ..report import CaptureRecord, PassRecord
-from ..state import preserved
-from ..verify import VerifyResult, check_all, clone_inputs, input_sets, reference_run
-from .graph import annotate, concrete_inputs
+from autoopt.backends.subgraph import lower_subgraph
+from autoopt.capture.graph import annotate, concrete_inputs
+from autoopt.config import OptimizeConfig
+from autoopt.cost_model import CostModel
+from autoopt.driver import copy_graph_module, run_pipeline
+from autoopt.passes import PassContext
+from autoopt.passes.graph import written_placeholders, written_tensors
+from autoopt.report import CaptureRecord, PassRecord
+from autoopt.state import preserved
+from autoopt.verify import VerifyResult, check_all, clone_inputs, input_sets, reference_run
 
 
 def autoopt_backend(gm: GraphModule, example_inputs: Sequence[Any], *,

@@ -28,8 +28,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils import _pytree as pytree
 
-from ..state import preserved
-from . import objects
+from autoopt.capture import objects
+from autoopt.state import preserved
 
 log = logging.getLogger(__name__)
 

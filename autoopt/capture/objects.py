@@ -29,7 +29,7 @@ from torch.fx import GraphModule
 from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
-from ..verify import attribute_names
+from autoopt.verify import attribute_names
 
 _PLAIN = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 

@@ -11,9 +11,9 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from ..errors import AutoOptError
-from . import diagnose, export, generate, optimize, partition, profile, report, run
-from .progress import shown
+from autoopt.cli import diagnose, export, generate, optimize, partition, profile, report, run
+from autoopt.cli.progress import shown
+from autoopt.errors import AutoOptError
 
 # In the order ``autoopt --help`` lists them.
 COMMANDS = {"optimize": optimize, "profile": profile, "export": export, "run": run,

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
-from .names import PASS_NAMES
-from .progress import output, stage
+from autoopt.cli.names import PASS_NAMES
+from autoopt.cli.progress import output, stage
+from autoopt.errors import ConfigError
 
 if TYPE_CHECKING:  # imported where used: building the parsers (--help) imports no torch
     import torch
@@ -60,7 +60,7 @@ def load_workload(args: argparse.Namespace, *, train: bool | None = None,
     when ``train`` is True, eval when False, as it comes when None) and random inputs from
     the ``--input`` specs; a size of 1 in a ``dynamic`` dimension (``batch``, ``sequence``)
     is drawn as 2, said on stdout, since export would fix it."""
-    from .loading import load_model, model_inputs, widened_for_dynamic
+    from autoopt.cli.loading import load_model, model_inputs, widened_for_dynamic
 
     set_threads(args.threads)
     stage(f"loading {args.model}")
@@ -91,7 +91,7 @@ def set_threads(threads: int | None) -> None:
 
 def parse_size(option: str, text: str) -> int:
     """``--memory 16GiB`` -> bytes, through the library's one size parser."""
-    from ..memory import parse_budget
+    from autoopt.memory import parse_budget
 
     try:
         size = parse_budget(text)
@@ -105,7 +105,7 @@ def parse_budget_option(text: str) -> int | float | str:
     """``--memory-budget``: bytes (``8000000000``), a fraction of device memory (``0.5``) or a
     size (``8GiB``), checked now with the library's parser and passed on as the library
     takes it."""
-    from ..memory import parse_budget
+    from autoopt.memory import parse_budget
 
     value: int | float | str = text
     for kind in (int, float):
@@ -154,8 +154,8 @@ def named_dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
     symbolic (the same rule as ``export_onnx``'s ``dynamic=``)."""
     import torch
 
-    from ..capture.graph import dynamic_shapes_for
-    from ..errors import InputError
+    from autoopt.capture.graph import dynamic_shapes_for
+    from autoopt.errors import InputError
 
     def tensor_dims(value: torch.Tensor) -> dict[int, Any] | None:
         found = {}
@@ -178,7 +178,7 @@ def named_dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
 def check_output(value: str | None, option: str) -> None:
     """Make the output's folder and check the file can be written, so that a bad path fails
     in a second, not after minutes of optimizing and measuring."""
-    from ..export.onnx_io import check_writable
+    from autoopt.export.onnx_io import check_writable
 
     if not value:
         return

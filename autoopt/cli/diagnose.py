@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..errors import InputError
-from .common import add_model_arguments, load_workload
-from .progress import output
+from autoopt.cli.common import add_model_arguments, load_workload
+from autoopt.cli.progress import output
+from autoopt.errors import InputError
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,8 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..diagnose.diagnosis import diagnose
-    from ..diagnose.workload import console_progress, load_batches
+    from autoopt.diagnose.diagnosis import diagnose
+    from autoopt.diagnose.workload import console_progress, load_batches
 
     if not args.input and not args.loader:
         raise InputError("autoopt diagnose needs --input SHAPE (repeatable) or --loader "

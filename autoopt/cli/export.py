@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import argparse
 
-from .common import (
+from autoopt.cli.common import (
     add_dynamic_argument,
     add_model_arguments,
     check_output,
     load_workload,
 )
-from .names import EXPORTERS
-from .progress import output, stage
+from autoopt.cli.names import EXPORTERS
+from autoopt.cli.progress import output, stage
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,8 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..export.onnx import export_onnx
-    from ..export.onnx_io import DYNAMIC_DIMS
+    from autoopt.export.onnx import export_onnx
+    from autoopt.export.onnx_io import DYNAMIC_DIMS
 
     check_output(args.output, "-o")
     # ONNX files name their dynamic dimensions, so "all" is every dimension export_onnx names.

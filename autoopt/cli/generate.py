@@ -11,10 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
-from .common import add_common_arguments, set_threads
-from .names import PRECISIONS
-from .progress import output, stage
+from autoopt.cli.common import add_common_arguments, set_threads
+from autoopt.cli.names import PRECISIONS
+from autoopt.cli.progress import output, stage
+from autoopt.errors import ConfigError
 
 if TYPE_CHECKING:  # imported where used: building the parsers (--help) imports no torch
     import torch
@@ -95,9 +95,9 @@ def time_generation(runners: dict[str, Callable[..., Any]], ids: torch.Tensor, n
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..api import optimize
-    from ..export.onnx_writer import weight_bytes
-    from .loading import load_model
+    from autoopt.api import optimize
+    from autoopt.cli.loading import load_model
+    from autoopt.export.onnx_writer import weight_bytes
 
     if min(args.prompt_len, args.new, args.batch, args.rounds) < 1:
         raise ConfigError("--prompt-len, --new, --batch and --rounds must be at least 1")

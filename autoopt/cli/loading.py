@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ModelSpecError
+from autoopt.errors import ModelSpecError
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,

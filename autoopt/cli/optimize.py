@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..backends import BACKENDS
-from ..errors import ConfigError
-from .common import (
+from autoopt.backends import BACKENDS
+from autoopt.cli.common import (
     add_disable_argument,
     add_dynamic_argument,
     add_model_arguments,
@@ -16,8 +15,9 @@ from .common import (
     named_dynamic_shapes,
     parse_budget_option,
 )
-from .names import PRECISIONS
-from .progress import output, stage
+from autoopt.cli.names import PRECISIONS
+from autoopt.cli.progress import output, stage
+from autoopt.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -49,8 +49,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..api import optimize
-    from ..export.program import save_program
+    from autoopt.api import optimize
+    from autoopt.export.program import save_program
 
     budget = None
     if args.memory_budget is not None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..errors import ConfigError, require
-from .common import add_model_arguments, check_output, load_workload, parse_size
-from .progress import output, stage
+from autoopt.cli.common import add_model_arguments, check_output, load_workload, parse_size
+from autoopt.cli.progress import output, stage
+from autoopt.errors import ConfigError, require
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,10 +28,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from torch.utils import _pytree as pytree
 
-    from ..capture.graph import export_graph
-    from ..cost_model import CostModel
-    from ..parallel.planning import device_specs, measured_device_specs, plan_stages
-    from ..parallel.plot import plot_stages
+    from autoopt.capture.graph import export_graph
+    from autoopt.cost_model import CostModel
+    from autoopt.parallel.planning import device_specs, measured_device_specs, plan_stages
+    from autoopt.parallel.plot import plot_stages
 
     check_output(args.plot, "--plot")
     devices = args.devices.split(",") if args.devices else ["cpu"] * args.stages

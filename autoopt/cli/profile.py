@@ -7,8 +7,8 @@ import argparse
 import dataclasses
 import json
 
-from .common import add_model_arguments, check_output, load_workload
-from .progress import output, stage
+from autoopt.cli.common import add_model_arguments, check_output, load_workload
+from autoopt.cli.progress import output, stage
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..diagnose.profiling import format_table, profile_model
+    from autoopt.diagnose.profiling import format_table, profile_model
 
     check_output(args.json, "--json")
     model, inputs, kwargs = load_workload(args)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
-from ..progress import Ticker, clip
+from autoopt.progress import Ticker, clip
 
 log = logging.getLogger("autoopt.cli")
 _LIBRARY = logging.getLogger("autoopt")

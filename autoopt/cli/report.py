@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 
-from ..errors import InputError
-from .common import add_disable_argument, check_output, disabled, load_workload
-from .diagnose import add_workload_arguments
-from .progress import output
+from autoopt.cli.common import add_disable_argument, check_output, disabled, load_workload
+from autoopt.cli.diagnose import add_workload_arguments
+from autoopt.cli.progress import output
+from autoopt.errors import InputError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -24,9 +24,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from torch.utils import _pytree as pytree
 
-    from ..diagnose.collect import collect
-    from ..diagnose.render import write_report
-    from ..diagnose.workload import console_progress
+    from autoopt.diagnose.collect import collect
+    from autoopt.diagnose.render import write_report
+    from autoopt.diagnose.workload import console_progress
 
     check_output(args.output, "-o")
     if not args.input:

@@ -8,13 +8,13 @@ import statistics
 import time
 from typing import TYPE_CHECKING
 
-from .common import add_common_arguments, check_threads
-from .progress import output, stage
+from autoopt.cli.common import add_common_arguments, check_threads
+from autoopt.cli.progress import output, stage
 
 if TYPE_CHECKING:  # imported where used: building the parsers (--help) imports no torch
     import torch
 
-    from ..export.session import OnnxSession
+    from autoopt.export.session import OnnxSession
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..export.session import onnx_session
+    from autoopt.export.session import onnx_session
 
     threads = check_threads(args.threads)
     stage(f"loading {args.model}")
@@ -79,8 +79,8 @@ def _feeds(session: OnnxSession, specs: list[str], int_high: int) -> dict[str, t
     to the model's input type and unnamed specs fill the inputs in order."""
     import torch
 
-    from ..errors import InputError
-    from .loading import parse_input
+    from autoopt.cli.loading import parse_input
+    from autoopt.errors import InputError
 
     names = session.input_names
     feeds: dict[str, torch.Tensor] = {}

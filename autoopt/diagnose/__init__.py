@@ -11,14 +11,14 @@ package and must not import torch."""
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .diagnosis import Diagnosis, diagnose
+    from autoopt.diagnose.diagnosis import Diagnosis, diagnose
 
 __all__ = ["Diagnosis", "diagnose"]
 
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from . import diagnosis
+        from autoopt.diagnose import diagnosis
 
         return getattr(diagnosis, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -36,15 +36,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import progress as progress_lines
-from ..cost_model import GraphCost
-from ..errors import ConfigError, ModelError
-from .findings import Finding, Remedy, find_causes
-from .mfu import StepFlops, step_flops
-from .per_op import OpTime, bound_by_op, profile_ops, roofline_cost, roofline_labels
-from .sampler import Utilization, UtilizationSampler
-from .whole_step import StepOptions, copy_optimizer, fused_overrides, settings_off
-from .workload import Progress, StepTimes, Workload, batch_size
+from autoopt import progress as progress_lines
+from autoopt.cost_model import GraphCost
+from autoopt.diagnose.findings import Finding, Remedy, find_causes
+from autoopt.diagnose.mfu import StepFlops, step_flops
+from autoopt.diagnose.per_op import OpTime, bound_by_op, profile_ops, roofline_cost, roofline_labels
+from autoopt.diagnose.sampler import Utilization, UtilizationSampler
+from autoopt.diagnose.whole_step import StepOptions, copy_optimizer, fused_overrides, settings_off
+from autoopt.diagnose.workload import Progress, StepTimes, Workload, batch_size
+from autoopt.errors import ConfigError, ModelError
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class Diagnosis:
 
     def _apply(self, steps: int | None, progress: Progress, options: dict[str, Any],
                ) -> BeforeAfter:
-        from ..config import OptimizeConfig
+        from autoopt.config import OptimizeConfig
 
         known = {f.name for f in dataclasses.fields(OptimizeConfig)}
         kwargs: dict[str, Any] = {}
@@ -188,7 +188,7 @@ class Diagnosis:
         """``optimize`` with ``kwargs``, then the workload diagnosed on the result (through
         ``prefetch`` where data loading is a cause): the module, its diagnosis, and whether
         prefetch was used."""
-        from ..build import build as optimize
+        from autoopt.build import build as optimize
 
         w = self.workload
         assert w is not None
@@ -210,7 +210,7 @@ class Diagnosis:
         assert w is not None
         source: Any = w.source
         if use_prefetch:
-            from ..runtime.prefetch import prefetch
+            from autoopt.runtime.prefetch import prefetch
 
             source = prefetch(w.source, w.device, depth=2)
         try:
@@ -481,8 +481,8 @@ def _logged(progress: Progress | None) -> Progress:
 def _applied(model: nn.Module, source: Any) -> dict[str, str]:
     """The remedies ``model`` (an optimized module) and ``source`` have already, each with how
     it was applied: suggesting them again (after ``apply()`` applied them) says nothing."""
-    from ..module import OptimizedModule
-    from ..runtime.prefetch import Prefetcher
+    from autoopt.module import OptimizedModule
+    from autoopt.runtime.prefetch import Prefetcher
 
     applied = {}
     if isinstance(model, OptimizedModule):

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from ..cost_model import GraphCost, device_info
-from .sampler import Utilization
-from .workload import StepTimes, Workload, batch_size
+from autoopt.cost_model import GraphCost, device_info
+from autoopt.diagnose.sampler import Utilization
+from autoopt.diagnose.workload import StepTimes, Workload, batch_size
 
 CAUSES = ("data", "memory", "operators", "parallelism")
 # Findings below this share of step time are not worth a line.

@@ -32,8 +32,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from ..cost_model.dtype_speed import matmul_flops, raise_matmul_flops
-from .workload import Workload, _default_loss
+from autoopt.cost_model.dtype_speed import matmul_flops, raise_matmul_flops
+from autoopt.diagnose.workload import Workload, _default_loss
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class _FlopsByDtype(TorchDispatchMode):
 
 
 def _eager(model: nn.Module) -> nn.Module:
-    from ..module import OptimizedModule
+    from autoopt.module import OptimizedModule
 
     return model.module if isinstance(model, OptimizedModule) else model
 

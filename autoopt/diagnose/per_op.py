@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..cost_model import CostModel, GraphCost, device_info
-from .quiet import quiet_kineto
-from .workload import Progress, Workload
+from autoopt.cost_model import CostModel, GraphCost, device_info
+from autoopt.diagnose.quiet import quiet_kineto
+from autoopt.diagnose.workload import Progress, Workload
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +80,8 @@ def profile_ops(w: Workload, batches: Iterator[Any], steps: int, progress: Progr
 
 def roofline_cost(w: Workload, progress: Progress) -> GraphCost | None:
     """The cost model's per-node profile of the model's graph, or None if it has none."""
-    from ..capture.graph import export_graph, flat_example_inputs
-    from ..module import OptimizedModule
+    from autoopt.capture.graph import export_graph, flat_example_inputs
+    from autoopt.module import OptimizedModule
 
     args, kwargs = w.example()
     # An OptimizedModule: the graph it runs, else its private copy of the model is exported.

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..capture.graph import export_graph, flat_example_inputs
-from ..cost_model import CostModel, GraphCost
-from ..errors import DeviceError, ModelError
-from ..passes.graph import is_impure
+from autoopt.capture.graph import export_graph, flat_example_inputs
+from autoopt.cost_model import CostModel, GraphCost
+from autoopt.errors import DeviceError, ModelError
+from autoopt.passes.graph import is_impure
 
 
 @dataclasses.dataclass(frozen=True)

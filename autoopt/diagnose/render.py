@@ -21,11 +21,11 @@ from typing import Any
 
 from torch import nn
 
-from .charts import COLOURS, figure, svg
-from .collect import ReportData
-from .diagnosis import Diagnosis
-from .findings import CAUSES
-from .per_op import OpTime
+from autoopt.diagnose.charts import COLOURS, figure, svg
+from autoopt.diagnose.collect import ReportData
+from autoopt.diagnose.diagnosis import Diagnosis
+from autoopt.diagnose.findings import CAUSES
+from autoopt.diagnose.per_op import OpTime
 
 _TOP_OPS = 12
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError
+from autoopt.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

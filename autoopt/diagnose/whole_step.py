@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..errors import ConfigError
+from autoopt.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class StepOptions:
 
 def eager(model: nn.Module) -> nn.Module:
     """The eager module whose parameters ``model`` trains (an OptimizedModule's ``.module``)."""
-    from ..module import OptimizedModule
+    from autoopt.module import OptimizedModule
 
     return model.module if isinstance(model, OptimizedModule) else model
 

@@ -22,14 +22,14 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..errors import ConfigError, InputError, ModelError
-from .whole_step import (
+from autoopt.diagnose.whole_step import (
     GraphedStep,
     StepOptions,
     backend_settings,
     copy_optimizer,
     optimizer_overrides,
 )
+from autoopt.errors import ConfigError, InputError, ModelError
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class Workload:
             self.model.train(self.training)
             yield
             return
-        from ..state import preserved
+        from autoopt.state import preserved
 
         modes = [(m, m.training) for m in self.model.modules()]
         grads = [(p, p.grad) for p in self.model.parameters()]
@@ -293,7 +293,7 @@ def load_batches(spec: str) -> Iterable[Any]:
     import importlib.util
     from pathlib import Path
 
-    from ..errors import ModelSpecError
+    from autoopt.errors import ModelSpecError
 
     if ":" not in spec:
         raise ModelSpecError(f"--loader {spec!r} must be 'package.module:name' or "

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..capture.graph import dynamic_shapes_for
-from ..errors import ConfigError, InputError
-from ..verify import _leaves
+from autoopt.capture.graph import dynamic_shapes_for
+from autoopt.errors import ConfigError, InputError
+from autoopt.verify import _leaves
 
 # The dimensions ``dynamic=`` can name, and which input dimension each one is:
 #   "batch"     dim 0 of every tensor input with at least one dimension;

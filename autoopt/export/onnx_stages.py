@@ -24,13 +24,13 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..capture.graph import export_graph
-from ..errors import InputError
-from ..parallel.planning import device_specs, plan_stages
-from ..parallel.stages import emit_stages
-from ..planning.partition import Partition
-from .onnx import OnnxReport, eval_mode, export_onnx
-from .session import onnx_session
+from autoopt.capture.graph import export_graph
+from autoopt.errors import InputError
+from autoopt.export.onnx import OnnxReport, eval_mode, export_onnx
+from autoopt.export.session import onnx_session
+from autoopt.parallel.planning import device_specs, plan_stages
+from autoopt.parallel.stages import emit_stages
+from autoopt.planning.partition import Partition
 
 log = logging.getLogger(__name__)
 

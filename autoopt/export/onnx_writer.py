@@ -24,9 +24,9 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from ..errors import ModelError
-from .onnx_attention import with_empty_rows_zeroed
-from .onnx_io import dims_of, flat_tensors
+from autoopt.errors import ModelError
+from autoopt.export.onnx_attention import with_empty_rows_zeroed
+from autoopt.export.onnx_io import dims_of, flat_tensors
 
 log = logging.getLogger(__name__)
 

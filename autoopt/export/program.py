@@ -10,9 +10,9 @@ from torch.fx import GraphModule
 from torch.fx._pytree import tree_flatten_spec
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from ..capture.graph import dynamic_shapes_for
-from ..driver import portable
-from ..errors import ModelError
+from autoopt.capture.graph import dynamic_shapes_for
+from autoopt.driver import portable
+from autoopt.errors import ModelError
 
 
 def save_program(optimized: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any],

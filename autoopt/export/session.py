@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..errors import (
+from autoopt.errors import (
     ArgumentError,
     AutoOptError,
     DeviceError,
@@ -26,7 +26,7 @@ from ..errors import (
     ModelSpecError,
     require,
 )
-from .onnx_writer import first_line
+from autoopt.export.onnx_writer import first_line
 
 log = logging.getLogger(__name__)
 

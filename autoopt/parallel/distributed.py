@@ -36,13 +36,13 @@ from torch.fx import GraphModule, Node
 from torch.fx._pytree import tree_flatten_spec
 from torch.utils import _pytree as pytree
 
-from ..capture.graph import export_graph
-from ..cost_model import CostModel
-from ..errors import ConfigError
-from ..planning.partition import Partition
-from .microbatches import check_mergeable_outputs, split_microbatches
-from .planning import device_specs, plan_stages
-from .stages import emit_stages, place_stage, shared_parameters, traced_values
+from autoopt.capture.graph import export_graph
+from autoopt.cost_model import CostModel
+from autoopt.errors import ConfigError
+from autoopt.parallel.microbatches import check_mergeable_outputs, split_microbatches
+from autoopt.parallel.planning import device_specs, plan_stages
+from autoopt.parallel.stages import emit_stages, place_stage, shared_parameters, traced_values
+from autoopt.planning.partition import Partition
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..errors import ConfigError, InputError
+from autoopt.errors import ConfigError, InputError
 
 
 def split_microbatches(flat: Sequence[Any], microbatches: int) -> list[list[Any]]:

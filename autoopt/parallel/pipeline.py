@@ -21,11 +21,15 @@ from torch.fx import GraphModule
 from torch.fx._pytree import tree_flatten_spec
 from torch.utils import _pytree as pytree
 
-from ..errors import ConfigError, InputError
-from ..planning.partition import Partition
-from .microbatches import check_mergeable_outputs, merge_microbatches, split_microbatches
-from .schedules import gpipe_order, one_f_one_b_order
-from .stages import emit_stages, place_stage, shared_parameters, traced_values
+from autoopt.errors import ConfigError, InputError
+from autoopt.parallel.microbatches import (
+    check_mergeable_outputs,
+    merge_microbatches,
+    split_microbatches,
+)
+from autoopt.parallel.schedules import gpipe_order, one_f_one_b_order
+from autoopt.parallel.stages import emit_stages, place_stage, shared_parameters, traced_values
+from autoopt.planning.partition import Partition
 
 _INFERENCE_ONLY = (
     "this pipeline was optimized for inference (an eval-mode model, training=False): its "

@@ -14,19 +14,19 @@ import torch
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from ..cost_model import CostModel, GraphCost, NodeCost
-from ..driver import portable
-from ..errors import ConfigError, ModelError
-from ..passes.graph import written_attributes
-from ..planning.partition import DeviceSpec, Partition, PartitionError, partition
-from ..state import preserved
-from ..verify import compare
-from .microbatches import split_microbatches
-from .pipeline import Pipeline, pipeline_from_graph
-from .stages import emit_stages
+from autoopt.cost_model import CostModel, GraphCost, NodeCost
+from autoopt.driver import portable
+from autoopt.errors import ConfigError, ModelError
+from autoopt.parallel.microbatches import split_microbatches
+from autoopt.parallel.pipeline import Pipeline, pipeline_from_graph
+from autoopt.parallel.stages import emit_stages
+from autoopt.passes.graph import written_attributes
+from autoopt.planning.partition import DeviceSpec, Partition, PartitionError, partition
+from autoopt.state import preserved
+from autoopt.verify import compare
 
 if TYPE_CHECKING:
-    from ..module import OptimizedModule
+    from autoopt.module import OptimizedModule
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..errors import ConfigError
-from ..planning.partition import Partition
+from autoopt.errors import ConfigError
+from autoopt.planning.partition import Partition
 
 
 def _require_matplotlib() -> None:

@@ -19,7 +19,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.utils import _pytree as pytree
 
-from ..planning.partition import Partition
+from autoopt.planning.partition import Partition
 
 
 def emit_stages(gm: GraphModule, plan: Partition) -> list[GraphModule]:

@@ -12,9 +12,8 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.utils import _pytree as pytree
 
 from autoopt.cost_model.isolation import preserved, unwritten_inputs
-
-from ..passes import ops
-from .segments import SavedActivation, Segment
+from autoopt.passes import ops
+from autoopt.planning.segments import SavedActivation, Segment
 
 # Ops whose results a selective recompute keeps (costly to run again, per byte they make): the
 # graph-level spellings, for planning, and the kernels a decomposed graph calls. Each runs as one

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .segments import (
+from autoopt.planning.segments import (
     KEEP,
     MODES,
     OFFLOAD,

@@ -35,8 +35,7 @@ from torch.fx import GraphModule, Node
 
 from autoopt.cost_model.estimate import is_view, tensor_bytes
 from autoopt.cost_model.model import GraphCost
-
-from ..passes.graph import attr
+from autoopt.passes.graph import attr
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..errors import ConfigError, DeviceError
+from autoopt.errors import ConfigError, DeviceError
 
 log = logging.getLogger(__name__)
 

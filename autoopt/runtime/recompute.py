@@ -31,10 +31,9 @@ from torch.utils.checkpoint import (
 
 from autoopt.cost_model.isolation import written_placeholders
 from autoopt.cost_model.stages import split_stages
-
-from ..passes import ops
-from ..planning.memory_plan import MemoryPlan
-from ..planning.segments import KEEP, OFFLOAD, RECOMPUTE, SELECTIVE
+from autoopt.passes import ops
+from autoopt.planning.memory_plan import MemoryPlan
+from autoopt.planning.segments import KEEP, OFFLOAD, RECOMPUTE, SELECTIVE
 
 OffloadWrap = Callable[[nn.Module, int], nn.Module]
 
