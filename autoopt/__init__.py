@@ -12,6 +12,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from autoopt import diagnose as _diagnose_package  # noqa: F401 - light; loaded now, see below
+from autoopt import old_paths
 from autoopt.errors import (
     AutoOptError,
     ConfigError,
@@ -22,33 +23,36 @@ from autoopt.errors import (
     ModelSpecError,
 )
 
+old_paths.install()  # ``autoopt.verify``, ``autoopt.data``: modules that moved, still importable
+
 # Importing the subpackage bound ``autoopt.diagnose`` to it; the public name is the function.
 # The subpackage is in sys.modules now, so no later import rebinds it.
 del globals()["diagnose"]
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from autoopt.api import OptimizedModule, optimize
-    from autoopt.capture.dynamo import autoopt_backend
-    from autoopt.config import OptimizeConfig
+    from autoopt.check.compare import Tolerance, VerifyResult
+    from autoopt.check.report import CaptureRecord, PassRecord, Report
+    from autoopt.compile.dynamo import autoopt_backend
     from autoopt.diagnose.diagnosis import Diagnosis, diagnose
     from autoopt.export.onnx import OnnxReport, OnnxVerificationError, export_onnx
-    from autoopt.export.session import OnnxSession, onnx_session
+    from autoopt.onnx.session import OnnxSession, onnx_session
+    from autoopt.options.config import OptimizeConfig
     from autoopt.parallel.pipeline import Pipeline
-    from autoopt.report import CaptureRecord, PassRecord, Report
     from autoopt.runtime import prefetch as data
-    from autoopt.verify import Tolerance, VerifyResult
 
 __version__ = "0.1.0"
 
 # Public name -> the module that defines it (``data`` is a module: autoopt.data.prefetch).
 _LAZY = {
-    "OptimizedModule": ".api", "optimize": ".api", "autoopt_backend": ".capture.dynamo",
-    "OptimizeConfig": ".config", "Diagnosis": ".diagnose.diagnosis",
+    "OptimizedModule": ".api", "optimize": ".api", "autoopt_backend": ".compile.dynamo",
+    "OptimizeConfig": ".options.config", "Diagnosis": ".diagnose.diagnosis",
     "diagnose": ".diagnose.diagnosis", "OnnxReport": ".export.onnx",
     "OnnxVerificationError": ".export.onnx", "export_onnx": ".export.onnx",
-    "OnnxSession": ".export.session", "onnx_session": ".export.session",
-    "Pipeline": ".parallel.pipeline", "CaptureRecord": ".report", "PassRecord": ".report",
-    "Report": ".report", "Tolerance": ".verify", "VerifyResult": ".verify",
+    "OnnxSession": ".onnx.session", "onnx_session": ".onnx.session",
+    "Pipeline": ".parallel.pipeline", "CaptureRecord": ".check.report",
+    "PassRecord": ".check.report", "Report": ".check.report", "Tolerance": ".check.compare",
+    "VerifyResult": ".check.compare",
 }
 
 __all__ = [

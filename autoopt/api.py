@@ -1,10 +1,10 @@
 """``autoopt.optimize``: the one call users make.
 
-A thin facade over the core (``autoopt.build``, ``autoopt.module``): it builds the optimized
-module, then hands it on to the features layered on top — the pipeline package for
-``devices=``, the HTML report for ``report=``, ``generate`` for language models
-(``autoopt.generation``'s module class). The core imports none of them, so no feature imports
-the core back through here.
+A thin facade over the core (``autoopt.module.build``, ``autoopt.module.optimized``): it
+builds the optimized module, then hands it on to the features layered on top — the pipeline
+package for ``devices=``, the HTML report for ``report=``, ``generate`` for language models
+(``autoopt.generation.generator``'s module class). The core imports none of them, so no
+feature imports the core back through here.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoopt import progress
-from autoopt.build import capture_example, check_inputs, prepare, unwrap
-from autoopt.config import OptimizeConfig
 from autoopt.diagnose.collect import collect
 from autoopt.diagnose.render import write_report
-from autoopt.generation import module_class
-from autoopt.module import OptimizedModule, Specialization
+from autoopt.generation.generator import module_class
+from autoopt.module.build import capture_example, check_inputs, prepare, unwrap
+from autoopt.module.optimized import OptimizedModule, Specialization
+from autoopt.observe import progress
+from autoopt.options.config import OptimizeConfig
 from autoopt.parallel.planning import pipeline_module
 
 __all__ = ["OptimizedModule", "Specialization", "check_inputs", "optimize"]

@@ -61,7 +61,7 @@ from cost_model_accuracy import heading, publish  # noqa: E402
 
 import autoopt  # noqa: E402
 from autoopt.cli.generate import time_generation  # noqa: E402
-from autoopt.export.onnx_writer import weight_bytes  # noqa: E402
+from autoopt.onnx.writer import weight_bytes  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 

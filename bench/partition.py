@@ -42,9 +42,7 @@ from torch.fx import GraphModule
 
 from autoopt.capture.graph import annotate, export_graph, flat_example_inputs
 from autoopt.cost_model import CostCache, CostModel, GraphCost, NodeCost
-from autoopt.parallel.planning import refine_by_measurement
-from autoopt.parallel.stages import emit_stages
-from autoopt.planning.partition import (
+from autoopt.parallel.partition import (
     COMPUTE_OPS,
     DeviceSpec,
     NodeProfile,
@@ -53,6 +51,8 @@ from autoopt.planning.partition import (
     evaluate,
     partition,
 )
+from autoopt.parallel.planning import refine_by_measurement
+from autoopt.parallel.stages import emit_stages
 
 METHODS = ("autoopt", "uniform-by-layer", "parameter-count")
 

@@ -28,7 +28,7 @@ Reported per size: parameters, layers, weights' bytes, resident memory after the
 the peak growth while preparing (peak resident minus the resident memory before), the memory
 held afterwards (resident after ``gc`` and ``malloc_trim`` minus before: what the optimized
 module keeps beyond the user's model), optimize time and time per layer. ``--stages SIZE`` adds
-``autoopt.memory_profile``'s table (each stage's resident memory before, after and at its
+``autoopt.observe.memory_profile``'s table (each stage's resident memory before, after and at its
 peak) for that size. All processes of one run share one fresh autoopt cache
 (``XDG_CACHE_HOME``), whose device ceilings are measured before the first row: each model's
 kernel choices are measured in its own row, and a decoder's repeated layers share them.
@@ -130,7 +130,7 @@ def child(size: str, runner: str, threads: int, stages: bool,
 
     torch.set_num_threads(threads)
     import autoopt
-    from autoopt import memory_profile
+    from autoopt.observe import memory_profile
 
     model, ids, layers = _model(size)
     with torch.no_grad():
@@ -281,8 +281,8 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, command: str,
     for r in rows:
         if r.get("stages"):
             lines += ["", f"Memory by stage of `autoopt.optimize`, {r['size']} model "
-                          f"(`autoopt.memory_profile`; resident GiB; growth = the stage's peak "
-                          f"over its start):", "", "```", r["stages"], "```"]
+                          f"(`autoopt.observe.memory_profile`; resident GiB; growth = the stage's "
+                          f"peak over its start):", "", "```", r["stages"], "```"]
     return "\n".join(lines) + "\n"
 
 

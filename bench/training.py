@@ -77,7 +77,7 @@ from cost_model_accuracy import heading, publish  # noqa: E402
 import autoopt  # noqa: E402
 from autoopt.diagnose.mfu import StepFlops, held_to_peak, step_flops  # noqa: E402
 from autoopt.diagnose.workload import Workload  # noqa: E402
-from autoopt.memory_profile import (  # noqa: E402
+from autoopt.observe.memory_profile import (  # noqa: E402
     peak_rss_bytes,
     release_free_memory,
     reset_peak_rss,

@@ -83,7 +83,7 @@ def preserved(*state: Any) -> Iterator[None]:
     objects, and only where the value differs: a tensor the run did not change, or wrote back
     to the same value, is not written at all. Its version counter then stays where it was, so
     an autograd graph that saved it still accepts it, and nothing watching the counter (an
-    optimized module sharing the user's weights, ``autoopt.watch``) sees a write that did not
+    optimized module sharing the user's weights, ``autoopt.module.watch``) sees a write that did not
     happen. The RNG of the CPU and of every CUDA device the state is on is restored.
 
     Example:

@@ -2,7 +2,7 @@
 time (``bench/cost_model_accuracy.py`` checks stage predictions against measured stages with
 it) and ``split_stages`` into one submodule per group (the recompute runtime wraps each
 segment of a memory plan this way). The pipeline partitioner's exact cut is
-``autoopt.planning.partition``."""
+``autoopt.parallel.partition``."""
 
 from __future__ import annotations
 

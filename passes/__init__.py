@@ -2,7 +2,7 @@
 
 ``PIPELINE`` is the one place that says which passes run and in what order; the user's config
 turns passes off by name. The driver that runs them, checks each result and rolls back failures
-lives in ``autoopt.driver``.
+lives in ``autoopt.compile.pass_runner``.
 """
 
 from __future__ import annotations

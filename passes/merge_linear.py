@@ -37,7 +37,8 @@ aten = torch.ops.aten
 # The ``get_attr`` node meta key naming what a merged weight stacks: ``[(target, weakref)]``.
 MERGED_FROM = "merged_from"
 # The meta key of an ``aten.cat`` node the driver put in place of a merged weight before the
-# lowerings: the concatenation of constants that a lowering may pack (``autoopt.driver``).
+# lowerings: the concatenation of constants that a lowering may pack
+# (``autoopt.compile.pass_runner``).
 CONCATENATED = "merged_weight"
 
 
@@ -129,7 +130,8 @@ def _merge(gm: GraphModule, x: Node, linears: Sequence[Node], weight: torch.Tens
         w_node = add_constant(gm, "merged_linear_weight", weight)
         # How to compute it again from the weights it stacks (their get_attr targets and
         # tensors): the lowerings and the graph kept for export read it as a concatenation
-        # of those, so that a lowering's packed copy is the only one (``autoopt.driver``).
+        # of those, so that a lowering's packed copy is the only one
+        # (``autoopt.compile.pass_runner``).
         w_node.meta[MERGED_FROM] = sources
         b_node = add_constant(gm, "merged_linear_bias", bias) if bias is not None else None
         wide = graph.call_function(aten.linear.default, (x, w_node, b_node))

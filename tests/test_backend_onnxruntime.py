@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 import autoopt
-from autoopt.backends import onnx_graph
 from autoopt.backends import onnxruntime as ort
 from autoopt.errors import InputError
-from autoopt.export.session import OnnxSession
+from autoopt.onnx import graph as onnx_graph
+from autoopt.onnx.session import OnnxSession
 
 pytestmark = [pytest.mark.filterwarnings("ignore"),
               pytest.mark.skipif(bool(ort.available()), reason=ort.available() or "")]
@@ -311,7 +311,7 @@ def test_a_negative_token_id_is_an_error_as_in_eager() -> None:
 def test_only_masked_attention_is_rewritten_for_the_exporter_and_the_graph_is_kept() -> None:
     """Must not fire: a graph without masked attention is handed over as it is; with one, a
     copy is rewritten and the graph module given (which may be serving calls) is untouched."""
-    from autoopt.export.onnx_attention import with_empty_rows_zeroed
+    from autoopt.onnx.attention import with_empty_rows_zeroed
 
     class Attend(nn.Module):
         def forward(self, q: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,9 +17,9 @@ import transformers
 from torch import nn
 
 import autoopt
-from autoopt.backends import onnx_cache
 from autoopt.backends import openvino as ov_backend
 from autoopt.errors import ConfigError
+from autoopt.onnx import cache as onnx_cache
 
 from .checks import assert_same_function
 from .model_zoo import bert, token_ids
@@ -130,7 +130,7 @@ def test_a_second_optimize_reads_the_onnx_file_from_the_cache(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     monkeypatch.setattr(onnx_cache, "folder", lambda: tmp_path)
     exports: list[int] = []
-    from autoopt.backends import onnx_graph
+    from autoopt.onnx import graph as onnx_graph
 
     real = onnx_graph.write_onnx
 
@@ -236,7 +236,7 @@ def test_under_bf16_openvino_runs_its_own_bf16_mode_on_the_fp32_graph(
 @needs_openvino
 def test_onnx_runtime_and_openvino_share_one_export_where_the_cache_cannot_hold_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from autoopt.backends import onnx_graph
+    from autoopt.onnx import graph as onnx_graph
 
     monkeypatch.setattr(onnx_cache, "store", lambda *a: "the exporter computed a weight")
     exports: list[int] = []

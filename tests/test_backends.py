@@ -24,9 +24,9 @@ from autoopt.backends import choice as choice_lib
 from autoopt.backends import inductor
 from autoopt.backends import onnxruntime as ort
 from autoopt.backends.choice import Lowering, choose_backend
+from autoopt.check.compare import VerifyResult
 from autoopt.cost_model import CostCache, CostModel
 from autoopt.errors import ConfigError
-from autoopt.verify import VerifyResult
 
 from .checks import assert_same_function
 from .model_zoo import bert, token_ids
@@ -507,7 +507,7 @@ def test_a_dominated_candidate_is_skipped_once_what_dominates_it_is_built(
 
 def test_inductor_is_dominated_by_hybrid_only_on_a_cpu_with_the_default_candidates() -> None:
     from autoopt.backends.whole_graph import _inductor_dominated
-    from autoopt.config import OptimizeConfig
+    from autoopt.options.config import OptimizeConfig
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert _inductor_dominated(OptimizeConfig(), cpu)[0] == "hybrid"

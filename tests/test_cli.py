@@ -21,7 +21,7 @@ import torch
 
 import autoopt
 from autoopt.cli import main
-from autoopt.config import OptimizeConfig
+from autoopt.options.config import OptimizeConfig
 from autoopt.passes import PASS_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -330,7 +330,7 @@ def test_the_command_ends_when_its_output_is_written(tmp_path: Path) -> None:
 def test_the_parsers_lists_are_the_librarys() -> None:
     """The CLI keeps its own copies of these names so that --help imports no torch."""
     from autoopt.cli import names
-    from autoopt.export.onnx_writer import EXPORTERS
+    from autoopt.onnx.writer import EXPORTERS
     from autoopt.passes.precision import PRECISIONS
 
     assert names.PASS_NAMES == PASS_NAMES
@@ -407,7 +407,7 @@ def _fake_optimize(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     def optimize(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  **options: Any) -> SimpleNamespace:
         seen.update(options, model=model, args=args)
-        logging.getLogger("autoopt.driver").info("pass fold_batchnorm")
+        logging.getLogger("autoopt.compile.pass_runner").info("pass fold_batchnorm")
         logging.getLogger("autoopt.passes.packed_linear").debug("linear [4, 8]: 3 us vs 4 us")
         return SimpleNamespace(report="autoopt report (fake)")
 
@@ -444,10 +444,10 @@ def test_the_status_line_shows_no_internal_debug_records(
     def optimize(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  **options: Any) -> SimpleNamespace:
         logging.getLogger("autoopt.passes.packed_linear").debug("linear [4, 8]: 3 us vs 4 us")
-        logging.getLogger("autoopt.backends.onnx_graph").debug(
+        logging.getLogger("autoopt.onnx.graph").debug(
             "onnxruntime: the exported graph is not cached: the exported graph holds no "
             "initializer for 'w'")
-        logging.getLogger("autoopt.export.session").debug(
+        logging.getLogger("autoopt.onnx.session").debug(
             "ONNX Runtime session for /tmp/autoopt-onnxruntime-x/graph.onnx")
         return SimpleNamespace(report="autoopt report (fake)")
 
@@ -480,14 +480,14 @@ def test_a_long_piped_command_says_now_and_then_what_it_does(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """``autoopt report`` and ``generate`` ran for minutes in silence when piped: a line now
     and then on stderr (lines, not a redrawn one), and the results alone on stdout."""
-    from autoopt import progress as library_progress
+    from autoopt.observe import progress as library_progress
 
     monkeypatch.setattr(library_progress, "FIRST_S", 0.1)
     monkeypatch.setattr(library_progress, "EVERY_S", 0.2)
 
     def optimize(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  **options: Any) -> SimpleNamespace:
-        logging.getLogger("autoopt.driver").info("pass fold_batchnorm")
+        logging.getLogger("autoopt.compile.pass_runner").info("pass fold_batchnorm")
         time.sleep(1.5)
         return SimpleNamespace(report="autoopt report (fake)")
 
@@ -607,7 +607,7 @@ def test_run_prints_each_output_by_name(monkeypatch: pytest.MonkeyPatch,
         def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             return {"output": torch.zeros(feeds["x"].shape[0], 1000)}
 
-    monkeypatch.setattr("autoopt.export.session.onnx_session", lambda *args, **kwargs: Session())
+    monkeypatch.setattr("autoopt.onnx.session.onnx_session", lambda *args, **kwargs: Session())
     assert main(["run", "model.onnx", "--input", "8x3x4x4"]) == 0
     assert capsys.readouterr().out.splitlines() == ["providers: CPUExecutionProvider",
                                                     "output: float32[8, 1000]"]

@@ -15,10 +15,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import autoopt
-from autoopt import precision_target
 from autoopt.diagnose.findings import Remedy
 from autoopt.diagnose.sampler import UtilizationSampler
 from autoopt.errors import ConfigError, InputError, ModelError
+from autoopt.options import precision as precision_target
 
 # Real runs are timed here: one intra-op thread, as the benchmarks use (conftest).
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -300,7 +300,7 @@ def test_apply_drops_a_remedy_that_makes_the_step_slower(monkeypatch: pytest.Mon
 def test_apply_credits_no_option_optimize_did_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     """precision='bf16' named by the diagnosis but refused by optimize (bf16 measured slower
     here) is a note, not an applied remedy with the step's change credited to it."""
-    from autoopt import precision_target as precision_settings
+    from autoopt.options import precision as precision_settings
 
     speeds = {torch.float32: 2e11, torch.bfloat16: 1e11}
     monkeypatch.setattr(precision_settings, "matmul_flops", lambda device, dtype: speeds[dtype])
@@ -431,7 +431,7 @@ def test_mfu_of_an_optimized_module_counts_the_model_s_flops() -> None:
 
 def test_mfu_of_a_bf16_training_module_holds_its_flops_to_the_bf16_peak(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from autoopt import precision_target
+    from autoopt.options import precision as precision_target
 
     speeds = {torch.float32: 100e9, torch.bfloat16: 800e9}
     monkeypatch.setattr(precision_target, "matmul_flops", lambda device, dtype: speeds[dtype])

@@ -150,7 +150,7 @@ def test_onnx_runtime_not_installed(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 
 
 def test_build_refuses_the_features_layered_on_the_core() -> None:
-    from autoopt.build import build
+    from autoopt.module.build import build
 
     with pytest.raises(ConfigError, match="pass devices= or report= to autoopt.optimize"):
         build(linear(), torch.randn(2, 4), report="r.html")

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from autoopt.backends import onnxruntime as ort
-from autoopt.report import BackendChoice, CaptureRecord, Report
+from autoopt.check.report import BackendChoice, CaptureRecord, Report
 
 _ORT_ERROR = ("failed to lower: ModelSpecError: '/tmp/autoopt-onnxruntime-lhkhbjp7/graph.onnx' "
               "is not a readable ONNX model: [ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : Could "
@@ -90,10 +90,10 @@ def test_the_backend_choice_is_short_lines() -> None:
 def test_the_force_hint_is_given_once(reason: str, hints: int) -> None:
     """The int8 refusal said ``pass_options={'precision': {'force': True}}`` twice: in the
     pass's reason and again in the error around it."""
-    from autoopt.config import OptimizeConfig
+    from autoopt.check.report import PassRecord
     from autoopt.errors import ConfigError
-    from autoopt.precision_target import check_applied
-    from autoopt.report import PassRecord
+    from autoopt.options.config import OptimizeConfig
+    from autoopt.options.precision import check_applied
 
     report = Report([CaptureRecord("x", "export", passes=[
         PassRecord("precision", "unchanged", reason=reason)])])
@@ -157,7 +157,7 @@ def test_a_refused_precision_is_decided_before_the_backends_are_timed(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """precision='int8' on a small GPT-2 was refused as slower than fp32 after 85 s of timing
     backends for a module optimize then did not return."""
-    from autoopt import specialize
+    from autoopt.compile import specialize
     from autoopt.errors import ConfigError
     from autoopt.passes import precision as precision_pass
     from autoopt.passes.precision_int8 import SLOWER, int8_engine

@@ -21,11 +21,11 @@ from torch import nn
 from torch.fx import GraphModule
 
 from autoopt.capture.graph import export_graph
+from autoopt.check.state import preserved
 from autoopt.cost_model import CostCache, CostModel
-from autoopt.memory import plan_for
+from autoopt.options.memory import plan_for
 from autoopt.passes import PassContext
 from autoopt.planning.activations import profile_activations
-from autoopt.state import preserved
 
 
 class BatchNormNet(nn.Module):

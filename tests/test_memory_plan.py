@@ -12,7 +12,7 @@ from torch import nn
 
 import autoopt
 from autoopt.capture.graph import export_graph
-from autoopt.memory import budget_bytes, parse_budget
+from autoopt.options.memory import budget_bytes, parse_budget
 from autoopt.planning.activations import profile_activations
 from autoopt.planning.memory_plan import BudgetTooSmall, MemoryPlan, plan_memory
 from autoopt.planning.segments import (
@@ -247,8 +247,8 @@ def test_a_plan_that_changes_the_function_is_an_error_not_a_silent_fallback(
     """The memory plan is a checked step of the driver: a plan that fails verification used to
     read as "captured graph differs from eager" and the capture fell through to Dynamo, where
     no plan applies, so the budget the user asked for was dropped."""
-    import autoopt.specialize as specialize
-    from autoopt.driver import copy_graph_module
+    import autoopt.compile.specialize as specialize
+    from autoopt.compile.pass_runner import copy_graph_module
 
     real = specialize.memory_lib.apply_memory_budget
 

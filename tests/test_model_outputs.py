@@ -246,7 +246,7 @@ def test_objects_are_taken_apart_in_the_order_verification_walks_them() -> None:
     """Export's output spec and verification (and so ONNX output names) walk an object's
     attributes in one order: a dataclass by its fields, anything else by sorted names."""
     from autoopt.capture import objects
-    from autoopt.verify import _leaves
+    from autoopt.check.compare import _leaves
 
     tensors = [torch.full((1,), float(i)) for i in range(5)]
     value = (_Holder(*tensors[:3]), _Fields(tensors[3], tensors[4]))

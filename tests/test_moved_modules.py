@@ -1,6 +1,6 @@
-"""Import paths the documentation once gave keep working after the modules moved (the layout
-of 2026-11-30): ``from autoopt.data import prefetch`` raised ModuleNotFoundError, only the
-attribute ``autoopt.data.prefetch`` worked."""
+"""Import paths the documentation once gave keep working after the modules moved (the layouts
+of 2026-11-30 and 2026-12-06): ``from autoopt.data import prefetch`` raised ModuleNotFoundError,
+only the attribute ``autoopt.data.prefetch`` worked."""
 
 from __future__ import annotations
 
@@ -11,7 +11,13 @@ import pytest
 # old path, the module now, a name code imported from it
 MOVED = [("autoopt.data", "autoopt.runtime.prefetch", "prefetch"),
          ("autoopt.distributed", "autoopt.parallel.distributed", "distributed_pipeline"),
-         ("autoopt.emit", "autoopt.export.program", "save_program")]
+         ("autoopt.emit", "autoopt.capture.program", "save_program"),
+         ("autoopt.export.program", "autoopt.capture.program", "save_program"),
+         ("autoopt.export.session", "autoopt.onnx.session", "onnx_session"),
+         ("autoopt.state", "autoopt.check.state", "preserved"),
+         ("autoopt.verify", "autoopt.check.compare", "Tolerance"),
+         ("autoopt.memory_profile", "autoopt.observe.memory_profile", "recording"),
+         ("autoopt.capture.dynamo", "autoopt.compile.dynamo", "autoopt_backend")]
 
 
 @pytest.mark.parametrize(("old", "new", "name"), MOVED)
@@ -29,3 +35,23 @@ def test_the_attribute_and_the_import_agree() -> None:
     import autoopt.data
 
     assert autoopt.data is importlib.import_module("autoopt.runtime.prefetch")
+
+
+def test_every_old_path_names_a_module_that_exists() -> None:
+    from autoopt.old_paths import MOVED
+
+    for old, new in MOVED.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+        # the module keeps its own identity: reload and pickling read __spec__
+        assert importlib.import_module(new).__spec__.name == new
+
+
+def test_import_autoopt_resolves_no_old_path_until_asked() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, autoopt; "
+            "assert 'torch' not in sys.modules; "
+            "from autoopt.old_paths import MOVED; "
+            "assert not any(name in sys.modules for name in MOVED)")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -14,8 +14,8 @@ from torch.fx import GraphModule
 
 import autoopt
 from autoopt.capture.graph import export_graph
+from autoopt.compile.pass_runner import portable
 from autoopt.cost_model import CostCache, CostModel
-from autoopt.driver import portable
 from autoopt.passes import PassContext, onednn_conv
 from autoopt.passes.graph import release_packed, restore_packed
 from autoopt.passes.onednn_conv import PackedConv, available

@@ -21,9 +21,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 import autoopt
+from autoopt.check.compare import compare, input_sets
 from autoopt.cli import main
-from autoopt.export.onnx_writer import first_line
-from autoopt.verify import compare, input_sets
+from autoopt.onnx.writer import first_line
 
 
 class Scorer(nn.Module):

@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 import autoopt
-from autoopt.backends import onnx_cache, onnx_graph
 from autoopt.backends import onnxruntime as ort
+from autoopt.onnx import cache as onnx_cache
+from autoopt.onnx import graph as onnx_graph
 
 onnx = pytest.importorskip("onnx")
 pytestmark = [pytest.mark.filterwarnings("ignore"),

@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 import autoopt
-from autoopt import memory_profile
 from autoopt.capture.graph import export_graph
+from autoopt.check.compare import compare
+from autoopt.compile.pass_runner import copy_graph_module, portable
 from autoopt.cost_model import CostCache, CostModel
 from autoopt.cost_model.isolation import is_read_only, mark_read_only, preserved
-from autoopt.driver import copy_graph_module, portable
+from autoopt.observe import memory_profile
 from autoopt.passes import PassContext, merge_linear, packed_linear
-from autoopt.verify import compare
 
 merge_linear_module = importlib.import_module("autoopt.passes.merge_linear")
 packed_linear_module = importlib.import_module("autoopt.passes.packed_linear")
@@ -125,7 +125,7 @@ def test_the_float32_comparison_agrees_with_float64_at_the_tolerance_edge(
     """Outputs clearly within the tolerance are compared in float32 (numpy, one thread: LM
     logits took 7 s in float64 on a loaded machine); an element near the edge is judged in
     float64, so both ways give the same verdicts."""
-    verify_module = importlib.import_module("autoopt.verify")
+    verify_module = importlib.import_module("autoopt.check.compare")
     expected = torch.randn(2**21) * 10
     scale = float(expected.abs().max())
     for offset in (-1e-6, 1e-6, 0.0):
@@ -434,9 +434,9 @@ def test_backend_candidates_are_built_one_at_a_time(tmp_path: Path) -> None:
 
 def test_the_html_report_lists_what_was_left_out_for_memory() -> None:
     pytest.importorskip("matplotlib")
+    from autoopt.check.report import BackendChoice, CaptureRecord, Report
     from autoopt.diagnose.collect import ReportData
     from autoopt.diagnose.render import render_html
-    from autoopt.report import BackendChoice, CaptureRecord, Report
 
     capture = CaptureRecord("x: f32[1, 8]", method="export", memory=[
         "packed_linear's packed weights: needs about 62 MiB and optimize_memory=1 MiB "

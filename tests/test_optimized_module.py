@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import autoopt
-from autoopt.export.program import save_program
+from autoopt.capture.program import save_program
 
 
 def mlp() -> nn.Module:

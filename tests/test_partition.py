@@ -14,7 +14,7 @@ from torch.fx import GraphModule
 
 from autoopt.capture.graph import export_graph
 from autoopt.cost_model import GraphCost, NodeCost
-from autoopt.planning.partition import (
+from autoopt.parallel.partition import (
     DeviceSpec,
     PartitionError,
     allowed_cuts,

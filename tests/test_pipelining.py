@@ -26,11 +26,11 @@ from autoopt.cli import main
 from autoopt.cost_model import CostModel
 from autoopt.errors import ConfigError, InputError
 from autoopt.parallel.microbatches import split_microbatches
+from autoopt.parallel.partition import DeviceSpec, partition
 from autoopt.parallel.pipeline import Pipeline, pipeline_from_graph
 from autoopt.parallel.planning import device_specs
 from autoopt.parallel.schedules import gpipe_order, one_f_one_b_order
 from autoopt.parallel.stages import emit_stages
-from autoopt.planning.partition import DeviceSpec, partition
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,12 +17,12 @@ from torch.fx import GraphModule
 
 import autoopt
 from autoopt import capture
-from autoopt import precision_target as precision_settings
+from autoopt.check.compare import _leaves, input_sets
 from autoopt.errors import ConfigError
+from autoopt.options import precision as precision_settings
 from autoopt.passes import PassContext, precision_policy
 from autoopt.passes.graph import attr
 from autoopt.passes.precision import DEFAULT_TOLERANCE, cast_precision, choose, masked_variants
-from autoopt.verify import _leaves, input_sets
 
 aten = torch.ops.aten
 

@@ -1,4 +1,5 @@
-"""Progress of long library calls on stderr, where logging shows nothing (autoopt.progress)."""
+"""Progress of long library calls on stderr, where logging shows nothing
+(autoopt.observe.progress)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 import autoopt
-from autoopt import progress
+from autoopt.observe import progress
 
 
 class _Slow(nn.Module):

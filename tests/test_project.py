@@ -124,7 +124,7 @@ def test_only_the_defining_module_reads_optimized_modules_privates() -> None:
     implementation."""
     import torch.nn as nn
 
-    source = ROOT / "autoopt" / "module.py"
+    source = ROOT / "autoopt" / "module" / "optimized.py"
     cls = next(n for n in ast.parse(source.read_text()).body
                if isinstance(n, ast.ClassDef) and n.name == "OptimizedModule")
     private = {n.name for n in ast.walk(cls) if isinstance(n, ast.FunctionDef)}

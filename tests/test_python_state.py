@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import autoopt
-from autoopt.state import has_hooks, python_state
+from autoopt.check.state import has_hooks, python_state
 
 
 class Flagged(nn.Module):

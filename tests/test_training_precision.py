@@ -15,9 +15,9 @@ from torch import nn
 from torch.nn import functional as F
 
 import autoopt
-from autoopt import precision_target
-from autoopt.config import OptimizeConfig
 from autoopt.errors import ConfigError
+from autoopt.options import precision as precision_target
+from autoopt.options.config import OptimizeConfig
 from autoopt.passes import precision_policy
 from autoopt.passes.precision import DEFAULT_TRAINING_TOLERANCE
 from autoopt.passes.precision_policy import Speed

@@ -18,7 +18,7 @@ from torch import nn
 
 import autoopt
 from autoopt.capture.graph import symbolic_trace_graph
-from autoopt.verify import compare
+from autoopt.check.compare import compare
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 

@@ -18,10 +18,10 @@ from torch import nn
 from torch.fx import GraphModule, symbolic_trace
 
 import autoopt
-from autoopt.capture.dynamo import verify_graph
-from autoopt.config import OptimizeConfig
+from autoopt.check.compare import check_all, input_sets, reference_run
+from autoopt.compile.dynamo import verify_graph
+from autoopt.options.config import OptimizeConfig
 from autoopt.passes.base import PassResult
-from autoopt.verify import check_all, input_sets, reference_run
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,7 +66,7 @@ def test_preserved_writes_back_only_a_changed_value() -> None:
     """A run that writes a tensor back to the value it had, or writes it unseen through
     ``.data``, leaves its version counter as it was: other modules sharing the tensor watch
     that counter."""
-    from autoopt.state import preserved
+    from autoopt.check.state import preserved
 
     same, hidden, changed = torch.arange(4.0), torch.ones(3), torch.zeros(2)
     versions = same._version, hidden._version, changed._version

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from autoopt.verify import Tolerance, compare, fresh_like, input_sets, tf32_enabled
+from autoopt.check.compare import Tolerance, compare, fresh_like, input_sets, tf32_enabled
 
 
 def test_within_float32_tolerance_passes_and_beyond_fails() -> None:
@@ -132,7 +132,7 @@ def test_a_float_mask_stays_a_mask_and_gets_padding() -> None:
 def test_a_small_gradient_is_judged_at_its_own_scale() -> None:
     """Gradients were all held to the largest one's scale, so a small weight's gradient could
     be wrong entirely and pass (a BERT query weight's, 0.008, next to embeddings' 100)."""
-    from autoopt.verify import GRAD_PREFIX
+    from autoopt.check.compare import GRAD_PREFIX
 
     torch.manual_seed(0)
     expected = {f"{GRAD_PREFIX}embedding": torch.randn(64, 32) * 100,

@@ -1,6 +1,6 @@
 """ModuleWatch: what the per-call check sees of a module's tensors and attributes.
 
-Each signal is read for every tensor in one loop in C (``autoopt.watch``); these tests pin
+Each signal is read for every tensor in one loop in C (``autoopt.module.watch``); these tests pin
 that the fast reads still see every kind of change the slow ones saw: a slot given another
 tensor, an in-place write, a write through ``.data`` (no version counter sees it), memory
 swapped under a parameter, a Python attribute, on plain tensors and on a tensor subclass
@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch import nn
 
-from autoopt import watch as watch_module
-from autoopt.watch import ModuleWatch
+from autoopt.module import watch as watch_module
+from autoopt.module.watch import ModuleWatch
 
 
 class Tagged(nn.Parameter):
@@ -200,7 +200,7 @@ def test_a_write_through_data_is_seen_in_every_element_width(dtype: torch.dtype)
 def test_a_module_pickled_before_the_tags_token_loads_and_follows_edits(monkeypatch) -> None:
     """An optimized module pickled by an autoopt that kept no ``_settled`` token."""
     import autoopt
-    from autoopt.module import OptimizedModule
+    from autoopt.module.optimized import OptimizedModule
 
     net = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
     x = torch.randn(2, 4)

@@ -14,11 +14,11 @@ from torch.fx import GraphModule
 
 import autoopt
 from autoopt import capture
-from autoopt.config import OptimizeConfig
 from autoopt.errors import ConfigError
+from autoopt.options.config import OptimizeConfig
+from autoopt.options.precision import check_target
 from autoopt.passes import PassContext, weight_only
 from autoopt.passes.precision import cast_precision
-from autoopt.precision_target import check_target
 
 aten = torch.ops.aten
 # Tiny layers' quantized kernels measure slower than fp32 here and there: the tests of what

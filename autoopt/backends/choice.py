@@ -25,13 +25,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autoopt import memory_profile
+from autoopt.check.compare import VerifyResult
+from autoopt.check.report import BackendChoice
+from autoopt.check.state import preserved
 from autoopt.cost_model import CostModel
 from autoopt.errors import ConfigError
-from autoopt.export.onnx_writer import first_line
-from autoopt.report import BackendChoice
-from autoopt.state import preserved
-from autoopt.verify import VerifyResult
+from autoopt.observe import memory_profile
+from autoopt.onnx.writer import first_line
 
 log = logging.getLogger(__name__)
 

@@ -41,8 +41,8 @@ from torch.fx.graph import CodeGen
 from torch.utils import _pytree as pytree
 
 from autoopt.backends import inductor
-from autoopt.driver import copy_graph_module
-from autoopt.state import preserved
+from autoopt.check.state import preserved
+from autoopt.compile.pass_runner import copy_graph_module
 
 # The kernel table of the graph this thread is running (or compiling): the op's ``index``
 # points into it. Each entry: the kernel, its arguments with each tensor an index into the

@@ -21,7 +21,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
-from autoopt.driver import copy_graph_module
+from autoopt.compile.pass_runner import copy_graph_module
 from autoopt.passes.graph import attr, meta_val
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ def memory_estimate(gm: GraphModule, gradients: bool) -> int:
     each linear's and convolution's weight for oneDNN, at most a copy of the weights (measured
     on a CPU, a 194 M-parameter decoder: 0.22× the weights at the peak, its GEMMs left to
     ATen's); a graph with gradients reads the parameters as they are."""
-    from autoopt.export.onnx_writer import weight_bytes
+    from autoopt.onnx.writer import weight_bytes
 
     return 0 if gradients else weight_bytes(gm)
 

@@ -19,13 +19,13 @@ import torch
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from autoopt import memory_profile
-from autoopt.backends import onnx_graph
 from autoopt.capture import objects
 from autoopt.errors import InputError
-from autoopt.export.onnx_io import flat_tensors, in_forward_order, name_inputs, name_outputs
-from autoopt.export.onnx_writer import weight_bytes
-from autoopt.export.session import OnnxSession, onnx_session
+from autoopt.observe import memory_profile
+from autoopt.onnx import graph as onnx_graph
+from autoopt.onnx.session import OnnxSession, onnx_session
+from autoopt.onnx.signature import flat_tensors, in_forward_order, name_inputs, name_outputs
+from autoopt.onnx.writer import weight_bytes
 
 log = logging.getLogger(__name__)
 

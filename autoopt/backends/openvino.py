@@ -31,12 +31,12 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from autoopt import memory_profile
-from autoopt.backends import onnx_graph
 from autoopt.backends.onnxruntime import OrtGraph, lookups
 from autoopt.errors import AutoOptError, InputError
-from autoopt.export.onnx_io import in_forward_order, name_inputs, name_outputs
-from autoopt.export.onnx_writer import weight_bytes
+from autoopt.observe import memory_profile
+from autoopt.onnx import graph as onnx_graph
+from autoopt.onnx.signature import in_forward_order, name_inputs, name_outputs
+from autoopt.onnx.writer import weight_bytes
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,13 @@ from torch.fx import GraphModule
 from autoopt.backends import inductor
 from autoopt.backends.choice import Lowering, choose_backend
 from autoopt.backends.whole_graph import identity
-from autoopt.config import OptimizeConfig
+from autoopt.check.compare import VerifyResult, clone_inputs
+from autoopt.check.report import BackendChoice
+from autoopt.check.state import preserved
+from autoopt.compile.pass_runner import copy_graph_module, portable
 from autoopt.cost_model import CostModel
-from autoopt.driver import copy_graph_module, portable
+from autoopt.options.config import OptimizeConfig
 from autoopt.passes.graph import written_placeholders, written_tensors
-from autoopt.report import BackendChoice
-from autoopt.state import preserved
-from autoopt.verify import VerifyResult, clone_inputs
 
 
 def lower_subgraph(optimized: GraphModule, example_inputs: Sequence[Any], inputs: list[Any], *,

@@ -19,19 +19,20 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from autoopt.backends import hybrid, inductor, onnx_graph, openvino
+from autoopt.backends import hybrid, inductor, openvino
 from autoopt.backends import onnxruntime as ort
 from autoopt.backends.choice import Lowering, choose_backend
 from autoopt.capture.graph import flat_example_inputs
-from autoopt.config import OptimizeConfig
+from autoopt.check.compare import VerifyResult, clone_inputs
+from autoopt.check.report import BackendChoice
+from autoopt.check.state import preserved
+from autoopt.compile.pass_runner import full_precision, portable
 from autoopt.cost_model import CostModel
 from autoopt.cost_model.estimate import value_spec
 from autoopt.cost_model.isolation import written_placeholders
-from autoopt.driver import full_precision, portable
+from autoopt.onnx import graph as onnx_graph
+from autoopt.options.config import OptimizeConfig
 from autoopt.passes.graph import release_packed, restore_packed
-from autoopt.report import BackendChoice
-from autoopt.state import preserved
-from autoopt.verify import VerifyResult, clone_inputs
 
 
 def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Module,

@@ -1,14 +1,14 @@
 """Turn an ``nn.Module`` and example inputs into an FX ``GraphModule`` whose every value node
 carries ``meta["val"]`` (a fake tensor with shape, dtype, device and strides).
 
-Two whole-graph methods, tried in this order by ``autoopt.specialize``:
+Two whole-graph methods, tried in this order by ``autoopt.compile.specialize``:
 
 - ``export``: ``torch.export`` in non-strict mode, ATen-level graph, parameters as attributes,
   input guards kept. Dynamic dimensions come from ``dynamic_shapes`` or ``dynamic=True``.
 - ``symbolic_trace``: ``torch.fx.symbolic_trace`` at module/functional level, non-tensor
   arguments fixed to their example values, metadata from one real run.
 
-Partial capture (Dynamo, the rest eager) lives in ``autoopt.capture.dynamo``.
+Partial capture (Dynamo, the rest eager) lives in ``autoopt.compile.dynamo``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.utils import _pytree as pytree
 
 from autoopt.capture import objects
-from autoopt.state import preserved
+from autoopt.check.state import preserved
 
 log = logging.getLogger(__name__)
 

@@ -91,7 +91,7 @@ def set_threads(threads: int | None) -> None:
 
 def parse_size(option: str, text: str) -> int:
     """``--memory 16GiB`` -> bytes, through the library's one size parser."""
-    from autoopt.memory import parse_budget
+    from autoopt.options.memory import parse_budget
 
     try:
         size = parse_budget(text)
@@ -105,7 +105,7 @@ def parse_budget_option(text: str) -> int | float | str:
     """``--memory-budget``: bytes (``8000000000``), a fraction of device memory (``0.5``) or a
     size (``8GiB``), checked now with the library's parser and passed on as the library
     takes it."""
-    from autoopt.memory import parse_budget
+    from autoopt.options.memory import parse_budget
 
     value: int | float | str = text
     for kind in (int, float):
@@ -178,7 +178,7 @@ def named_dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
 def check_output(value: str | None, option: str) -> None:
     """Make the output's folder and check the file can be written, so that a bad path fails
     in a second, not after minutes of optimizing and measuring."""
-    from autoopt.export.onnx_io import check_writable
+    from autoopt.onnx.signature import check_writable
 
     if not value:
         return

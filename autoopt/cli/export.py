@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from autoopt.export.onnx import export_onnx
-    from autoopt.export.onnx_io import DYNAMIC_DIMS
+    from autoopt.onnx.signature import DYNAMIC_DIMS
 
     check_output(args.output, "-o")
     # ONNX files name their dynamic dimensions, so "all" is every dimension export_onnx names.

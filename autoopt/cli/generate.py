@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
     from autoopt.api import optimize
     from autoopt.cli.loading import load_model
-    from autoopt.export.onnx_writer import weight_bytes
+    from autoopt.onnx.writer import weight_bytes
 
     if min(args.prompt_len, args.new, args.batch, args.rounds) < 1:
         raise ConfigError("--prompt-len, --new, --batch and --rounds must be at least 1")

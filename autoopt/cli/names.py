@@ -12,5 +12,5 @@ PASS_NAMES: tuple[str, ...] = (
 )
 # autoopt.passes.precision.PRECISIONS.
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8", "int4")
-# autoopt.export.onnx_writer.EXPORTERS.
+# autoopt.onnx.writer.EXPORTERS.
 EXPORTERS: tuple[str, ...] = ("auto", "dynamo", "torchscript")

@@ -50,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from autoopt.api import optimize
-    from autoopt.export.program import save_program
+    from autoopt.capture.program import save_program
 
     budget = None
     if args.memory_budget is not None:

@@ -1,5 +1,5 @@
 """What a long command is doing, on stderr: a status line on a terminal, log lines with ``-v``,
-warnings and a progress line every few seconds (``autoopt.progress.Ticker``) when stderr is
+warnings and a progress line every few seconds (``autoopt.observe.progress.Ticker``) when stderr is
 piped.
 
 Progress travels as ``logging`` records under the ``autoopt`` logger, so the CLI's own stages
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
-from autoopt.progress import Ticker, clip
+from autoopt.observe.progress import Ticker, clip
 
 log = logging.getLogger("autoopt.cli")
 _LIBRARY = logging.getLogger("autoopt")

@@ -14,7 +14,7 @@ from autoopt.cli.progress import output, stage
 if TYPE_CHECKING:  # imported where used: building the parsers (--help) imports no torch
     import torch
 
-    from autoopt.export.session import OnnxSession
+    from autoopt.onnx.session import OnnxSession
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from autoopt.export.session import onnx_session
+    from autoopt.onnx.session import onnx_session
 
     threads = check_threads(args.threads)
     stage(f"loading {args.model}")

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoopt.check.report import Report
+from autoopt.check.state import preserved
 from autoopt.diagnose.diagnosis import Diagnosis, diagnose
 from autoopt.diagnose.workload import Progress
-from autoopt.report import Report
-from autoopt.state import preserved
 
 
 @dataclass
@@ -68,7 +68,7 @@ def collect(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] |
         progress: wraps long loops, ``(iterable, description) -> iterable``.
         **options: ``optimize`` options.
     """
-    from autoopt.build import build as optimize
+    from autoopt.module.build import build as optimize
 
     kwargs = dict(kwargs or {})
     progress = progress or (lambda it, desc: it)

@@ -36,7 +36,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoopt import progress as progress_lines
 from autoopt.cost_model import GraphCost
 from autoopt.diagnose.findings import Finding, Remedy, find_causes
 from autoopt.diagnose.mfu import StepFlops, step_flops
@@ -45,6 +44,7 @@ from autoopt.diagnose.sampler import Utilization, UtilizationSampler
 from autoopt.diagnose.whole_step import StepOptions, copy_optimizer, fused_overrides, settings_off
 from autoopt.diagnose.workload import Progress, StepTimes, Workload, batch_size
 from autoopt.errors import ConfigError, ModelError
+from autoopt.observe import progress as progress_lines
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class Diagnosis:
 
     def _apply(self, steps: int | None, progress: Progress, options: dict[str, Any],
                ) -> BeforeAfter:
-        from autoopt.config import OptimizeConfig
+        from autoopt.options.config import OptimizeConfig
 
         known = {f.name for f in dataclasses.fields(OptimizeConfig)}
         kwargs: dict[str, Any] = {}
@@ -188,7 +188,7 @@ class Diagnosis:
         """``optimize`` with ``kwargs``, then the workload diagnosed on the result (through
         ``prefetch`` where data loading is a cause): the module, its diagnosis, and whether
         prefetch was used."""
-        from autoopt.build import build as optimize
+        from autoopt.module.build import build as optimize
 
         w = self.workload
         assert w is not None
@@ -481,7 +481,7 @@ def _logged(progress: Progress | None) -> Progress:
 def _applied(model: nn.Module, source: Any) -> dict[str, str]:
     """The remedies ``model`` (an optimized module) and ``source`` have already, each with how
     it was applied: suggesting them again (after ``apply()`` applied them) says nothing."""
-    from autoopt.module import OptimizedModule
+    from autoopt.module.optimized import OptimizedModule
     from autoopt.runtime.prefetch import Prefetcher
 
     applied = {}

@@ -198,7 +198,7 @@ class _FlopsByDtype(TorchDispatchMode):
 
 
 def _eager(model: nn.Module) -> nn.Module:
-    from autoopt.module import OptimizedModule
+    from autoopt.module.optimized import OptimizedModule
 
     return model.module if isinstance(model, OptimizedModule) else model
 

@@ -81,7 +81,7 @@ def profile_ops(w: Workload, batches: Iterator[Any], steps: int, progress: Progr
 def roofline_cost(w: Workload, progress: Progress) -> GraphCost | None:
     """The cost model's per-node profile of the model's graph, or None if it has none."""
     from autoopt.capture.graph import export_graph, flat_example_inputs
-    from autoopt.module import OptimizedModule
+    from autoopt.module.optimized import OptimizedModule
 
     args, kwargs = w.example()
     # An OptimizedModule: the graph it runs, else its private copy of the model is exported.

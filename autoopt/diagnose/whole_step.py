@@ -60,7 +60,7 @@ class StepOptions:
 
 def eager(model: nn.Module) -> nn.Module:
     """The eager module whose parameters ``model`` trains (an OptimizedModule's ``.module``)."""
-    from autoopt.module import OptimizedModule
+    from autoopt.module.optimized import OptimizedModule
 
     return model.module if isinstance(model, OptimizedModule) else model
 

@@ -129,7 +129,7 @@ class Workload:
             self.model.train(self.training)
             yield
             return
-        from autoopt.state import preserved
+        from autoopt.check.state import preserved
 
         modes = [(m, m.training) for m in self.model.modules()]
         grads = [(p, p.grad) for p in self.model.parameters()]

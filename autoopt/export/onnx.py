@@ -37,12 +37,20 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from autoopt import precision_target as precision_lib
-from autoopt import progress
 from autoopt.capture import objects
-from autoopt.driver import portable
+from autoopt.check.compare import (
+    Tolerance,
+    VerifyResult,
+    _leaves,
+    check_all,
+    input_sets,
+    reference_run,
+)
+from autoopt.compile.pass_runner import portable
 from autoopt.errors import AutoOptError, ConfigError, ModelError, ModelSpecError, require
-from autoopt.export.onnx_io import (
+from autoopt.observe import progress
+from autoopt.onnx.session import OnnxSession, onnx_session
+from autoopt.onnx.signature import (
     check_dims_apply,
     check_dynamic,
     check_optimized,
@@ -54,7 +62,7 @@ from autoopt.export.onnx_io import (
     name_inputs,
     name_outputs,
 )
-from autoopt.export.onnx_writer import (
+from autoopt.onnx.writer import (
     EXPORTERS,
     count_nodes,
     first_line,
@@ -63,8 +71,7 @@ from autoopt.export.onnx_writer import (
     weight_bytes,
     write_onnx,
 )
-from autoopt.export.session import OnnxSession, onnx_session
-from autoopt.verify import Tolerance, VerifyResult, _leaves, check_all, input_sets, reference_run
+from autoopt.options import precision as precision_lib
 
 log = logging.getLogger(__name__)
 
@@ -204,9 +211,9 @@ def export_onnx(model_or_optimized: nn.Module, example_inputs: Any, path: str | 
         >>> report = autoopt.export_onnx(resnet, (x,), "resnet.onnx", dynamic="batch")
         >>> print(report)
     """
-    from autoopt.build import build as optimize
-    from autoopt.build import check_inputs
-    from autoopt.module import OptimizedModule
+    from autoopt.module.build import build as optimize
+    from autoopt.module.build import check_inputs
+    from autoopt.module.optimized import OptimizedModule
 
     start = time.perf_counter()
     onnx = require("onnx", "ONNX export", "pip install onnx onnxscript")
@@ -313,7 +320,7 @@ def _file_config(config: Any, precision: str | None) -> Any:
     backend (``portable``), so the lowering passes are left out and the one backend is
     ``aten``: choosing one built and timed an Inductor compile and an ONNX Runtime session,
     80 s of a tiny BERT's 103 s export, for a choice the file never used."""
-    from autoopt.config import OptimizeConfig
+    from autoopt.options.config import OptimizeConfig
     from autoopt.passes import LOWERING
 
     cfg = OptimizeConfig.build(precision_lib.export_config(config, precision), {})

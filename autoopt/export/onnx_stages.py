@@ -27,10 +27,10 @@ from torch.utils import _pytree as pytree
 from autoopt.capture.graph import export_graph
 from autoopt.errors import InputError
 from autoopt.export.onnx import OnnxReport, eval_mode, export_onnx
-from autoopt.export.session import onnx_session
+from autoopt.onnx.session import onnx_session
+from autoopt.parallel.partition import Partition
 from autoopt.parallel.planning import device_specs, plan_stages
 from autoopt.parallel.stages import emit_stages
-from autoopt.planning.partition import Partition
 
 log = logging.getLogger(__name__)
 

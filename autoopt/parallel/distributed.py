@@ -40,9 +40,9 @@ from autoopt.capture.graph import export_graph
 from autoopt.cost_model import CostModel
 from autoopt.errors import ConfigError
 from autoopt.parallel.microbatches import check_mergeable_outputs, split_microbatches
+from autoopt.parallel.partition import Partition
 from autoopt.parallel.planning import device_specs, plan_stages
 from autoopt.parallel.stages import emit_stages, place_stage, shared_parameters, traced_values
-from autoopt.planning.partition import Partition
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ from autoopt.parallel.microbatches import (
     merge_microbatches,
     split_microbatches,
 )
+from autoopt.parallel.partition import Partition
 from autoopt.parallel.schedules import gpipe_order, one_f_one_b_order
 from autoopt.parallel.stages import emit_stages, place_stage, shared_parameters, traced_values
-from autoopt.planning.partition import Partition
 
 _INFERENCE_ONLY = (
     "this pipeline was optimized for inference (an eval-mode model, training=False): its "

@@ -14,19 +14,19 @@ import torch
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
+from autoopt.check.compare import compare
+from autoopt.check.state import preserved
+from autoopt.compile.pass_runner import portable
 from autoopt.cost_model import CostModel, GraphCost, NodeCost
-from autoopt.driver import portable
 from autoopt.errors import ConfigError, ModelError
 from autoopt.parallel.microbatches import split_microbatches
+from autoopt.parallel.partition import DeviceSpec, Partition, PartitionError, partition
 from autoopt.parallel.pipeline import Pipeline, pipeline_from_graph
 from autoopt.parallel.stages import emit_stages
 from autoopt.passes.graph import written_attributes
-from autoopt.planning.partition import DeviceSpec, Partition, PartitionError, partition
-from autoopt.state import preserved
-from autoopt.verify import compare
 
 if TYPE_CHECKING:
-    from autoopt.module import OptimizedModule
+    from autoopt.module.optimized import OptimizedModule
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from autoopt.errors import ConfigError
-from autoopt.planning.partition import Partition
+from autoopt.parallel.partition import Partition
 
 
 def _require_matplotlib() -> None:

@@ -2,7 +2,7 @@
 
     x ─ [stage 0 on dev 0] ─ boundary ─ [stage 1 on dev 1] ─ ... ─ y
 
-``emit_stages`` turns a ``Partition`` (``autoopt.planning.partition``) into one ``GraphModule``
+``emit_stages`` turns a ``Partition`` (``autoopt.parallel.partition``) into one ``GraphModule``
 per stage: stage 0 takes the graph's flat inputs, each later stage the values crossing the cut
 before it (skip connections passed on by the stages between), the last stage the graph's flat
 outputs. Parameters keep their names in the original model (``layer1.0.conv1.weight``). The
@@ -19,7 +19,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.utils import _pytree as pytree
 
-from autoopt.planning.partition import Partition
+from autoopt.parallel.partition import Partition
 
 
 def emit_stages(gm: GraphModule, plan: Partition) -> list[GraphModule]:

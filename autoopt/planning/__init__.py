@@ -1,3 +1,3 @@
-"""Decisions over a whole graph that are not rewrites: where to cut pipeline stages
-(``partition``) and what to keep, offload or recompute under a memory budget (``activations``
-lists what the graph saves, ``segments`` prices a choice of modes, ``memory_plan`` searches)."""
+"""Whole-graph decisions that are not rewrites: what to keep, offload or recompute under a
+memory budget (``activations`` lists what the graph saves, ``segments`` prices a choice of modes,
+``memory_plan`` searches)."""

@@ -22,23 +22,21 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from autoopt import memory as memory_lib
-from autoopt import memory_profile
 from autoopt.backends.whole_graph import lower_whole_graph
 from autoopt.capture import graph as capture_lib
-from autoopt.capture.dynamo import autoopt_backend
 from autoopt.capture.objects import foreign_types
-from autoopt.config import OptimizeConfig
-from autoopt.cost_model import CostModel
-from autoopt.cost_model.isolation import is_read_only
-from autoopt.driver import graph_to_keep, run_pipeline
-from autoopt.errors import ConfigError, ModelError, wrapped_error
-from autoopt.guards import InputSignature, current_modes, needs_gradients, signature_of
-from autoopt.passes import PassContext
-from autoopt.passes.graph import release_packed
-from autoopt.report import CaptureRecord, PassRecord, Report
-from autoopt.runtime import cuda_graphs
-from autoopt.state import (
+from autoopt.check.compare import (
+    VerifyResult,
+    _leaves,
+    check_all,
+    clone_inputs,
+    compare,
+    gradients,
+    input_sets,
+    reference_run,
+)
+from autoopt.check.report import CaptureRecord, PassRecord, Report
+from autoopt.check.state import (
     ABSENT,
     HookKey,
     StateKey,
@@ -55,16 +53,18 @@ from autoopt.state import (
     state_names,
     uses_custom_autograd,
 )
-from autoopt.verify import (
-    VerifyResult,
-    _leaves,
-    check_all,
-    clone_inputs,
-    compare,
-    gradients,
-    input_sets,
-    reference_run,
-)
+from autoopt.compile.dynamo import autoopt_backend
+from autoopt.compile.guards import InputSignature, current_modes, needs_gradients, signature_of
+from autoopt.compile.pass_runner import graph_to_keep, run_pipeline
+from autoopt.cost_model import CostModel
+from autoopt.cost_model.isolation import is_read_only
+from autoopt.errors import ConfigError, ModelError, wrapped_error
+from autoopt.observe import memory_profile
+from autoopt.options import memory as memory_lib
+from autoopt.options.config import OptimizeConfig
+from autoopt.passes import PassContext
+from autoopt.passes.graph import release_packed
+from autoopt.runtime import cuda_graphs
 
 log = logging.getLogger(__name__)
 
@@ -498,7 +498,7 @@ class Capturer:
         gm = self._optimize_graph(exported, flat, args, kwargs, record, "export",
                                   lambda g: g)
         if self.report.captures[0] is record:  # the example's: precision= decided now, not
-            from autoopt.precision_target import check_applied  # after minutes timing backends
+            from autoopt.options.precision import check_applied  # after minutes timing backends
 
             check_applied(self._config, Report([record]))
         run = self._unless_unimproved(self._cuda_graph(gm, args, kwargs, record), record)

@@ -26,7 +26,7 @@ from autoopt.errors import (
     ModelSpecError,
     require,
 )
-from autoopt.export.onnx_writer import first_line
+from autoopt.onnx.writer import first_line
 
 log = logging.getLogger(__name__)
 

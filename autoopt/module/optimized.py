@@ -1,8 +1,8 @@
 """The module ``optimize`` returns: calls routed to the graph compiled for their inputs.
 
-``OptimizedModule`` keeps one ``Compiled`` form per input signature (``autoopt.specialize``
+``OptimizedModule`` keeps one ``Compiled`` form per input signature (``autoopt.compile.specialize``
 makes them) and, on every call, checks what the graphs assume beyond the inputs: which tensors
-the parameters are, their values, the Python attributes traced in (``autoopt.watch``). A call
+the parameters are, their values, the Python attributes traced in (``autoopt.module.watch``). A call
 that breaks an assumption is captured again or runs eagerly, never replayed on a stale graph.
 """
 
@@ -20,10 +20,10 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from autoopt.concurrency import GATE
-from autoopt.config import OptimizeConfig
-from autoopt.cost_model import CostModel
-from autoopt.guards import (
+from autoopt.check.compare import clone_inputs
+from autoopt.check.report import Report
+from autoopt.check.state import has_hooks
+from autoopt.compile.guards import (
     InputSignature,
     TensorSpec,
     current_modes,
@@ -31,12 +31,12 @@ from autoopt.guards import (
     signature_of,
     training_flags,
 )
-from autoopt.report import Report
+from autoopt.compile.specialize import Capturer, Compiled, EagerRaised, model_device
+from autoopt.cost_model import CostModel
+from autoopt.module.concurrency import GATE
+from autoopt.module.watch import ModuleWatch
+from autoopt.options.config import OptimizeConfig
 from autoopt.runtime import cuda_graphs
-from autoopt.specialize import Capturer, Compiled, EagerRaised, model_device
-from autoopt.state import has_hooks
-from autoopt.verify import clone_inputs
-from autoopt.watch import ModuleWatch
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class OptimizedModule(nn.Module):
 
     def memory_moved(self) -> None:
         """The module's tensors were given other memory holding the same values, by whoever
-        shares them (``autoopt.generation`` points a step module at ``fast.module``'s own
+        shares them (``autoopt.generation.generator`` points a step module at ``fast.module``'s own
         memory once that module stops sharing yours): the graphs hold; the per-call check
         compares against the tensors as they are now."""
         with self._lock:
@@ -424,7 +424,9 @@ class OptimizedModule(nn.Module):
                        for b in m._buffers.values() if b is not None}
             watched = [t for t in self._watch.tensors if id(t) not in written
                        and not (differentiable and t.requires_grad)]
-            from autoopt.progress import reported  # a first call of new inputs: minutes, said
+            from autoopt.observe.progress import (
+                reported,  # a first call of new inputs: minutes, said
+            )
 
             with reported("call: capturing new inputs"), GATE.capturing(), \
                     torch.random.fork_rng(devices=sorted(devices)), _own_saved_tensors():

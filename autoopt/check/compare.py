@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from autoopt import memory_profile
 from autoopt.errors import wrapped_error
+from autoopt.observe import memory_profile
 
 log = logging.getLogger(__name__)
 

@@ -16,14 +16,14 @@ from torch.fx import GraphModule
 
 from autoopt.backends.subgraph import lower_subgraph
 from autoopt.capture.graph import annotate, concrete_inputs
-from autoopt.config import OptimizeConfig
+from autoopt.check.compare import VerifyResult, check_all, clone_inputs, input_sets, reference_run
+from autoopt.check.report import CaptureRecord, PassRecord
+from autoopt.check.state import preserved
+from autoopt.compile.pass_runner import copy_graph_module, run_pipeline
 from autoopt.cost_model import CostModel
-from autoopt.driver import copy_graph_module, run_pipeline
+from autoopt.options.config import OptimizeConfig
 from autoopt.passes import PassContext
 from autoopt.passes.graph import written_placeholders, written_tensors
-from autoopt.report import CaptureRecord, PassRecord
-from autoopt.state import preserved
-from autoopt.verify import VerifyResult, check_all, clone_inputs, input_sets, reference_run
 
 
 def autoopt_backend(gm: GraphModule, example_inputs: Sequence[Any], *,

@@ -41,8 +41,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from autoopt.check.state import HOOK_TABLES
 from autoopt.cost_model.isolation import _MODULE_INTERNALS
-from autoopt.state import HOOK_TABLES
 
 # Parameters and buffers assigned to a watched module (``module.weight = Parameter(...)``,
 # ``register_buffer``, ``load_state_dict(assign=True)``) are counted on its watch.

@@ -20,8 +20,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autoopt.capture.graph import dynamic_shapes_for
+from autoopt.check.compare import _leaves
 from autoopt.errors import ConfigError, InputError
-from autoopt.verify import _leaves
 
 # The dimensions ``dynamic=`` can name, and which input dimension each one is:
 #   "batch"     dim 0 of every tensor input with at least one dimension;

@@ -17,13 +17,13 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from autoopt import memory_profile
+from autoopt.check.compare import VerifyResult
+from autoopt.check.report import PassRecord
 from autoopt.cost_model.isolation import is_read_only
+from autoopt.observe import memory_profile
 from autoopt.passes import LOWERING, PassContext, PassFn
 from autoopt.passes.graph import add_constant, attr, fake_like
 from autoopt.passes.merge_linear import CONCATENATED, MERGED_FROM
-from autoopt.report import PassRecord
-from autoopt.verify import VerifyResult
 
 log = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ from typing import Any
 import torch
 
 from autoopt.backends import BACKENDS, BACKENDS_VARIABLE, INDUCTOR_OPTIONS
+from autoopt.check.compare import Tolerance
 from autoopt.errors import ConfigError
-from autoopt.memory import parse_budget, parse_modes
+from autoopt.options.memory import parse_budget, parse_modes
 from autoopt.passes import PIPELINE, PassFn
 from autoopt.passes.precision import DEFAULT_TOLERANCE, PRECISIONS
-from autoopt.verify import Tolerance
 
 CAPTURE_METHODS = ("export", "symbolic_trace", "dynamo")
 
@@ -38,7 +38,7 @@ class OptimizeConfig:
         pass_options: per-pass options, ``{"pass_name": {"option": value}}``.
         memory_budget: training only: bytes of saved activations allowed on the device (an
             int, a fraction of device memory in (0, 1], or a string like ``"8GiB"``); autoopt
-            keeps, offloads or recomputes them to fit (see ``autoopt.memory``).
+            keeps, offloads or recomputes them to fit (see ``autoopt.options.memory``).
         memory_modes: the ways ``memory_budget`` may use (``keep``, ``offload``,
             ``selective``, ``recompute``); default: all on a GPU, all but offload on a CPU.
         cuda_graphs: on a CUDA device, replay each static-shape inference graph as one CUDA
@@ -71,7 +71,7 @@ class OptimizeConfig:
     pass_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     memory_budget: int | float | str | None = None
     memory_modes: tuple[str, ...] | None = None
-    # Precision casting (passes/precision.py); autoopt.precision_target checks the device.
+    # Precision casting (passes/precision.py); autoopt.options.precision checks the device.
     precision: str | None = None  # None/"fp32", "bf16", "fp16", "int8" or "int4" (CPU inference)
     tolerance: float | None = None  # end-to-end relative error allowed under ``precision``
     # Pipeline (autoopt.parallel): one stage per device, cut by measured time.

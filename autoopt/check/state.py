@@ -6,7 +6,7 @@ whose forward changes Python attributes on every call, runs hooks or custom auto
 needs a capture that keeps those semantics (Dynamo) or eager execution. State a forward writes
 once, on its first call (a cache, a flag, hooks it installs for itself), is another matter:
 ``changed_state``, ``attribute_values`` and ``assign_attributes`` let the capture's probe
-(``autoopt.specialize``) keep it, as eager's first call would.
+(``autoopt.compile.specialize``) keep it, as eager's first call would.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def own_buffers(module: nn.Module) -> Iterator[dict[int, torch.Tensor]]:
     A forward that writes its buffers (a call counter, running statistics) then writes the
     copies: never memory the module may share with the user's model, and no version counter
     that optimized modules sharing that memory watch. A buffer held by several modules gets
-    one copy. The slots are set directly, so no assignment hook (``autoopt.watch``) fires.
+    one copy. The slots are set directly, so no assignment hook (``autoopt.module.watch``) fires.
     Inference tensors are left in place (they have no version counter to move).
     """
     copies: dict[int, torch.Tensor] = {}
@@ -147,7 +147,7 @@ def uses_custom_autograd(outputs: Any) -> bool:
     whose hand-written backward a traced graph of its forward ops would silently replace."""
     from torch.autograd.function import BackwardCFunction
 
-    from autoopt.verify import _leaves
+    from autoopt.check.compare import _leaves
 
     stack = [leaf.grad_fn for _, leaf in _leaves(outputs, "out")
              if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None]

@@ -22,8 +22,8 @@ from autoopt.passes.precision_int8 import KERNELS
 from autoopt.passes.weight_only import GROUPS
 
 if TYPE_CHECKING:
-    from autoopt.config import OptimizeConfig
-    from autoopt.report import Report
+    from autoopt.check.report import Report
+    from autoopt.options.config import OptimizeConfig
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ def export_config(config: OptimizeConfig | Mapping[str, Any] | None, precision: 
                   ) -> OptimizeConfig | Mapping[str, Any] | None:
     """The optimize config for ``export_onnx(..., precision=p)``: the ONNX runtime, not this
     CPU, runs the graph, so the casts are made even where PyTorch here would be slower."""
-    from autoopt.config import OptimizeConfig
+    from autoopt.options.config import OptimizeConfig
 
     if precision is None:
         return config

@@ -25,8 +25,8 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from autoopt.errors import ModelError
-from autoopt.export.onnx_attention import with_empty_rows_zeroed
-from autoopt.export.onnx_io import dims_of, flat_tensors
+from autoopt.onnx.attention import with_empty_rows_zeroed
+from autoopt.onnx.signature import dims_of, flat_tensors
 
 log = logging.getLogger(__name__)
 

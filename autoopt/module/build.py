@@ -16,11 +16,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from autoopt import precision_target as precision_lib
-from autoopt.config import OptimizeConfig
+from autoopt.compile.specialize import EagerRaised, model_device
 from autoopt.errors import ConfigError, DeviceError, InputError, ModelError
-from autoopt.module import OptimizedModule
-from autoopt.specialize import EagerRaised, model_device
+from autoopt.module.optimized import OptimizedModule
+from autoopt.options import precision as precision_lib
+from autoopt.options.config import OptimizeConfig
 
 
 def prepare(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, Any] | None,

@@ -6,10 +6,10 @@ import textwrap
 from collections import Counter
 from dataclasses import dataclass, field
 
+from autoopt.check.compare import VerifyResult
+from autoopt.observe.progress import clip
 from autoopt.passes.precision import PrecisionSummary
 from autoopt.planning.memory_plan import MemoryPlan
-from autoopt.progress import clip
-from autoopt.verify import VerifyResult
 
 # The longest line describe() writes (a report line, indented, fits a 100-column terminal).
 _WIDTH = 96

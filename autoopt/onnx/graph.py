@@ -17,11 +17,11 @@ from typing import Any, TypeVar
 import torch
 from torch.fx import GraphModule
 
-from autoopt import memory_profile
-from autoopt.backends import onnx_cache
 from autoopt.capture import objects
-from autoopt.export.onnx_writer import write_onnx
-from autoopt.export.program import symbolic_dims
+from autoopt.capture.program import symbolic_dims
+from autoopt.observe import memory_profile
+from autoopt.onnx import cache as onnx_cache
+from autoopt.onnx.writer import write_onnx
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from torch.fx._pytree import tree_flatten_spec
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from autoopt.capture.graph import dynamic_shapes_for
-from autoopt.driver import portable
+from autoopt.compile.pass_runner import portable
 from autoopt.errors import ModelError
 
 

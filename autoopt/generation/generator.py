@@ -37,14 +37,14 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from autoopt import progress
-from autoopt.build import build
 from autoopt.capture import objects
+from autoopt.check.state import hook_keys
+from autoopt.compile.guards import training_flags
 from autoopt.errors import ConfigError, ModelError
-from autoopt.guards import training_flags
-from autoopt.module import OptimizedModule
-from autoopt.state import hook_keys
-from autoopt.watch import ModuleWatch
+from autoopt.module.build import build
+from autoopt.module.optimized import OptimizedModule
+from autoopt.module.watch import ModuleWatch
+from autoopt.observe import progress
 
 log = logging.getLogger(__name__)
 
@@ -356,8 +356,8 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _swappable(t: torch.Tensor) -> bool:
     """Whether ``t`` can take another C++ tensor under its Python object (as
-    ``autoopt.module``'s ``_own_memory`` does): nothing else holds its own (an autograd graph,
-    a gradient) nor hooks on it."""
+    ``autoopt.module.optimized``'s ``_own_memory`` does): nothing else holds its own (an
+    autograd graph, a gradient) nor hooks on it."""
     return (type(t) in (torch.Tensor, nn.Parameter) and t.is_leaf and t.grad is None
             and not t._backward_hooks and t._use_count() == 1)
 
@@ -729,7 +729,7 @@ class GenerativeModule(OptimizedModule):
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """``model.generate(...)`` with the same arguments and result, each step through
         autoopt's graphs: a static KV cache, one verified graph for every decode step (see
-        ``autoopt.generation``)."""
+        ``autoopt.generation.generator``)."""
         generator = self.__dict__.get("_generator")
         if generator is None:
             generator = Generator(self)

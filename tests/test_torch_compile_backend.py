@@ -306,7 +306,7 @@ def test_a_subgraph_with_a_library_kernel_is_verified_on_its_example_only() -> N
     alone; one of ATen ops only also on random ones."""
     import torchvision
 
-    from autoopt.capture.dynamo import verify_graph
+    from autoopt.compile.dynamo import verify_graph
 
     class Pool(torch.nn.Module):
         def forward(self, x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
