@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 from types import ModuleType
 
 
@@ -63,3 +64,15 @@ def require(module: str, feature: str, install: str) -> ModuleType:
     except ImportError as exc:
         raise DependencyError(f"{feature} needs the {module!r} package, which is not installed "
                               f"({exc}); install it with `{install}`.") from exc
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first non-empty line of ``exc``, without terminal colour codes, cut at a word."""
+    text = ANSI.sub("", str(exc)).strip()
+    line = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if len(line) <= limit:
+        return line
+    return line[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")

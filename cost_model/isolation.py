@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 # Attributes nn.Module keeps for itself; everything else in a module's __dict__ is user state.
-_MODULE_INTERNALS = frozenset({
+MODULE_INTERNALS = frozenset({
     "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training",
     "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
     "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
@@ -31,15 +31,17 @@ _MODULE_INTERNALS = frozenset({
     "_compiled_call_impl", "__dict__",
 })
 
-def _freeze(value: Any, depth: int = 0) -> Any:
+def freeze(value: Any, depth: int = 0) -> Any:
+    """A hashable snapshot of ``value`` that changes when it does: tensors by identity and
+    version counter, containers by what they hold, other objects by identity."""
     if isinstance(value, torch.Tensor):
         return ("tensor", id(value), value._version)
     if depth > 4:
         return ("object", id(value))
     if isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(_freeze(v, depth + 1) for v in value))
+        return (type(value).__name__, tuple(freeze(v, depth + 1) for v in value))
     if isinstance(value, dict):
-        return ("dict", tuple((repr(k), _freeze(v, depth + 1)) for k, v in value.items()))
+        return ("dict", tuple((repr(k), freeze(v, depth + 1)) for k, v in value.items()))
     if isinstance(value, (set, frozenset)):
         return ("set", frozenset(repr(v) for v in value))
     if value is None or isinstance(value, (bool, int, float, complex, str, bytes, torch.dtype,
@@ -48,7 +50,7 @@ def _freeze(value: Any, depth: int = 0) -> Any:
     if isinstance(value, nn.Module) or callable(value):
         return ("object", id(value))
     if hasattr(value, "__dict__"):
-        return ("object", id(value), _freeze(dict(vars(value)), depth + 1))
+        return ("object", id(value), freeze(dict(vars(value)), depth + 1))
     return ("object", id(value))
 
 
@@ -120,8 +122,8 @@ def preserved(*state: Any) -> Iterator[None]:
                 continue
             seen.add(id(m))
             for key, value in vars(m).items():
-                if key not in _MODULE_INTERNALS and not isinstance(value, nn.Module):
-                    attributes.append((m, key, _freeze(value), _copy_attribute(value)))
+                if key not in MODULE_INTERNALS and not isinstance(value, nn.Module):
+                    attributes.append((m, key, freeze(value), copy_attribute(value)))
     try:
         with torch.random.fork_rng(devices=sorted(devices)):
             yield
@@ -131,7 +133,7 @@ def preserved(*state: Any) -> Iterator[None]:
                 _restore(tensor, saved, version)
         # Only what changed is put back, so untouched attributes keep their identity.
         for m, key, frozen, value in attributes:
-            if key not in m.__dict__ or _freeze(m.__dict__[key]) != frozen:
+            if key not in m.__dict__ or freeze(m.__dict__[key]) != frozen:
                 m.__dict__[key] = value
 
 
@@ -170,7 +172,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
 
 
-def _copy_attribute(value: Any, depth: int = 0) -> Any:
+def copy_attribute(value: Any, depth: int = 0) -> Any:
     """Containers are copied, nested ones too (a forward may append to them); what they hold,
     and anything else, is kept by reference, which restores re-assigned values (counters,
     cached tensors). Never a deep copy: a graph module's ``meta`` holds graph modules, whose
@@ -181,10 +183,10 @@ def _copy_attribute(value: Any, depth: int = 0) -> Any:
         if isinstance(value, dict):
             copied = copy.copy(value)  # the same type (an OrderedDict, a defaultdict)
             for key, item in value.items():
-                copied[key] = _copy_attribute(item, depth + 1)
+                copied[key] = copy_attribute(item, depth + 1)
             return copied
         if isinstance(value, list):
-            return type(value)(_copy_attribute(item, depth + 1) for item in value) \
+            return type(value)(copy_attribute(item, depth + 1) for item in value) \
                 if type(value) is list else copy.copy(value)
         return copy.copy(value)
     except Exception:  # noqa: BLE001 - an uncopyable container is restored by reference

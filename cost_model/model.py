@@ -11,13 +11,12 @@ import dataclasses
 import functools
 import logging
 import statistics
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.fx import GraphModule, Interpreter, Node
+from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
 from .cache import CostCache, library_versions
@@ -32,8 +31,17 @@ from .estimate import (
     tensor_bytes,
     value_spec,
 )
-from .isolation import preserved, unwritten_inputs, written_arguments
-from .timing import median_seconds, timed
+from .isolation import preserved, unwritten_inputs
+from .profiler import (
+    SKIPPED_MODULES,
+    InModelTimer,
+    NodeProfiler,
+    callable_of,
+    clone_tensor,
+    meta_value,
+    random_inputs,
+)
+from .timing import median_seconds
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +50,6 @@ log = logging.getLogger(__name__)
 _NOTE = "#"
 _FAILED = "#failed"
 
-# Ops that write to their inputs run on clones, rotated so each repeat starts from fresh data.
-_MUTATED_COPIES = 2
-_SKIPPED_MODULES = ("_guards_fn",)
 
 
 @dataclass(frozen=True)
@@ -159,18 +164,18 @@ class CostModel:
         """The node's cost from its metadata: a cached measurement if one exists for exactly
         this op, shapes, dtypes and device, else a calibrated roofline estimate."""
         if node.op not in ("call_function", "call_method", "call_module") or (
-                node.op == "call_module" and str(node.target) in _SKIPPED_MODULES):
+                node.op == "call_module" and str(node.target) in SKIPPED_MODULES):
             return NodeCost(node.name, node.op, 0.0)
-        args, kwargs = pytree.tree_map_only(Node, _meta_value, (node.args, node.kwargs))
-        target = _callable(node, gm)
-        output = _meta_value(node)
+        args, kwargs = pytree.tree_map_only(Node, meta_value, (node.args, node.kwargs))
+        target = callable_of(node, gm)
+        output = meta_value(node)
         if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves((args, kwargs,
                                                                             output))):
             return NodeCost(node.name, op_name(node.target), 0.0)  # arithmetic on sizes
-        return self._cost(node.name, node.target if node.op != "call_module" else target,
+        return self.cost_of(node.name, node.target if node.op != "call_module" else target,
                           target, args, kwargs, output)
 
-    def _cost(self, name: str, key_target: Any, fn: Any, args: Any, kwargs: Any, output: Any,
+    def cost_of(self, name: str, key_target: Any, fn: Any, args: Any, kwargs: Any, output: Any,
               measured_s: float | None = None, saved: int = 0) -> NodeCost:
         ceilings = self.info.ceilings
         assert ceilings is not None
@@ -217,8 +222,8 @@ class CostModel:
         """
         with preserved(gm, example_inputs):
             inputs = (unwritten_inputs(gm, example_inputs) if example_inputs is not None
-                      else _random_inputs(gm))
-            profiler = _NodeProfiler(gm, self, training)
+                      else random_inputs(gm))
+            profiler = NodeProfiler(gm, self, training)
             with torch.no_grad() if not training else contextlib.nullcontext():
                 profiler.run(*inputs)
         self.cache.put_many(profiler.new_entries)
@@ -235,7 +240,7 @@ class CostModel:
         """Median seconds of each op node over ``runs`` whole-graph runs, each node timed as
         it runs in order: between clock reads (and device syncs) on a CPU, as its share of
         the stream's timeline on CUDA."""
-        timer = _InModelTimer(gm, self.device)
+        timer = InModelTimer(gm, self.device)
         with preserved(gm, inputs), \
                 torch.no_grad() if not training else contextlib.nullcontext():
             timer.run(*inputs)  # warm-up
@@ -263,7 +268,7 @@ class CostModel:
                 continue
             node = nodes.get(cost.node)
             view = node is not None and is_view(node.target)
-            args = pytree.tree_map_only(Node, _meta_value, node.args) if node else ()
+            args = pytree.tree_map_only(Node, meta_value, node.args) if node else ()
             roof = roofline_seconds(cost.flops, cost.bytes, _first_dtype(args), ceilings, view)
             ratios.setdefault(op_family(cost.op), []).append(cost.latency_s / roof)
         if not ratios:
@@ -278,7 +283,7 @@ class CostModel:
         are checked against). The calls leave ``fn`` (a module), the arguments and the RNG as
         they were."""
         # Copies of the arguments, which a forward may write (what it writes is not known).
-        args, kwargs = pytree.tree_map_only(torch.Tensor, _clone, (tuple(args), kwargs or {}))
+        args, kwargs = pytree.tree_map_only(torch.Tensor, clone_tensor, (tuple(args), kwargs or {}))
         with torch.no_grad(), preserved(*([fn] if isinstance(fn, torch.nn.Module) else [])):
             return median_seconds(lambda i: fn(*args, **kwargs), self.device, warmup=3,
                                   repeats=repeats, budget_s=10.0)
@@ -393,186 +398,11 @@ class CostModel:
                          sum(c.saved_bytes for c in costs), {c.node: c for c in costs})
 
 
-class _InModelTimer(Interpreter):
-    """Runs the graph, timing each op node where it stands in the run."""
-
-    def __init__(self, gm: GraphModule, device: torch.device) -> None:
-        super().__init__(gm)
-        self.device = device
-        self.samples: dict[str, list[float]] = {}
-        # On CUDA: (node, event after it) of the current run, read once it has finished.
-        self._events: list[tuple[str, Any]] = []
-        self.totals: list[float] = []  # on CUDA: each run's timeline, first event to last
-
-    def run(self, *args: Any, **kwargs: Any) -> Any:
-        if self.device.type != "cuda":
-            return super().run(*args, **kwargs)
-        first = torch.cuda.Event(enable_timing=True)
-        first.record()
-        result = super().run(*args, **kwargs)
-        torch.cuda.synchronize(self.device)
-        previous = first
-        for name, end in self._events:
-            self.samples.setdefault(name, []).append(previous.elapsed_time(end) / 1e3)
-            previous = end
-        if self._events:
-            self.totals.append(first.elapsed_time(previous) / 1e3)
-        self._events.clear()
-        return result
-
-    def run_node(self, n: Node) -> Any:
-        if n.op not in ("call_function", "call_method", "call_module"):
-            return super().run_node(n)
-        args, kwargs = self.fetch_args_kwargs_from_env(n)  # outside the timed span
-        if self.device.type == "cuda":
-            # Events in the stream, no syncs: a node's time is what it adds to the stream's
-            # timeline, from the previous node's end to its own (its kernels when the GPU is
-            # behind, its launch when the host is), so a launch-bound model is timed as it
-            # runs, not stalled by a sync per node.
-            result = getattr(self, n.op)(n.target, args, kwargs)
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._events.append((n.name, end))
-            return result
-        result, seconds = timed(lambda: getattr(self, n.op)(n.target, args, kwargs),
-                                self.device)
-        self.samples.setdefault(n.name, []).append(seconds)
-        return result
-
-
-class _NodeProfiler(Interpreter):
-    """Runs the graph once; times each op node alone on its real inputs as it goes."""
-
-    def __init__(self, gm: GraphModule, model: CostModel, training: bool) -> None:
-        super().__init__(gm)
-        self.model = model
-        self.training = training
-        self.costs: dict[str, NodeCost] = {}
-        self.new_entries: dict[str, dict[str, Any]] = {}
-        # Parameters are held for backward by reference, not as new memory: not counted.
-        self._parameter_storages = {t.data_ptr() for t in gm.parameters()} if training else set()
-
-    def run_node(self, n: Node) -> Any:
-        result = super().run_node(n)
-        if n.op not in ("call_function", "call_method", "call_module"):
-            return result
-        if n.op == "call_module" and str(n.target) in _SKIPPED_MODULES:
-            return result
-        args, kwargs = self.fetch_args_kwargs_from_env(n)
-        if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves((args, kwargs, result))):
-            return result  # arithmetic on sizes: no device work
-        key_target = n.target if n.op != "call_module" else _callable(n, self.module)
-        key = self.model.node_key(key_target, args, kwargs)
-        stored = (self.model.cache.get(key, ("latency_s", "saved_bytes"))
-                  or self.new_entries.get(key))
-        if stored is None:
-            try:
-                seconds = self._time(n, args, kwargs)
-            except torch.OutOfMemoryError:
-                # Timing keeps the op's inputs, a clone per repeat and a cache-eviction buffer
-                # alive at once; the op itself ran in the graph, so it is estimated instead.
-                warnings.warn(f"autoopt: out of memory on {self.model.device} timing "
-                              f"{n.name} ({op_name(n.target)}) alone; its cost is a roofline "
-                              f"estimate instead. Profile with smaller inputs for a "
-                              f"measurement.", stacklevel=2)
-                return result
-            except Exception as exc:  # noqa: BLE001 - an op that cannot rerun is estimated
-                log.debug("cannot time %s alone: %s", n.format_node(), exc)
-                return result
-            saved = self._saved_bytes(n, args, kwargs) if self.training else 0
-            stored = {"latency_s": seconds, "saved_bytes": saved}
-            self.new_entries[key] = stored
-        fn = _callable(n, self.module)
-        self.costs[n.name] = self.model._cost(n.name, key_target, fn, args, kwargs, result,
-                                              stored["latency_s"], stored.get("saved_bytes", 0))
-        return result
-
-    def _call(self, n: Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return getattr(self, n.op)(n.target, args, kwargs)
-
-    def _time(self, n: Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
-        """Median time of the node alone, with the last-level-but-one cache evicted before
-        each repeat: in a model run the weights, and the memory the result is written to, were
-        last touched several layers ago, so a repeat must not find them left in cache by the
-        repeat before."""
-        variants = [(args, kwargs)]
-        if _mutates(n.target, args, kwargs):
-            variants = [pytree.tree_map_only(torch.Tensor, _clone, (args, kwargs))
-                        for _ in range(_MUTATED_COPIES)]
-        return median_seconds(lambda i: self._call(n, *variants[i % len(variants)]),
-                              self.model.device, repeats=self.model.repeats,
-                              before=self.model.evict_cache)
-
-    def _saved_bytes(self, n: Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-        if _mutates(n.target, args, kwargs):  # one more run, which must not write the real ones
-            args, kwargs = pytree.tree_map_only(torch.Tensor, _clone, (args, kwargs))
-        params = self._parameter_storages
-        seen: set[int] = set()
-        total = 0
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            nonlocal total
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in params and ptr not in seen:
-                seen.add(ptr)
-                total += t.untyped_storage().nbytes()
-            return t
-
-        grad_args = pytree.tree_map_only(
-            torch.Tensor, lambda t: t.detach().requires_grad_(t.is_floating_point())
-            if not isinstance(t, torch.nn.Parameter) else t, (args, kwargs))
-        try:
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                self._call(n, *grad_args)
-        except Exception:  # noqa: BLE001 - ops that cannot run under autograd save nothing
-            return 0
-        return total
-
-
-def _clone(t: torch.Tensor) -> torch.Tensor:
-    return t.clone() if not isinstance(t, torch.nn.Parameter) else t
-
-
-def _mutates(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether timing the op repeatedly would write its real arguments (an in-place op,
-    a train-mode BatchNorm's statistics), so it must run on copies."""
-    return bool(written_arguments(target, args, kwargs))
-
-
-def _callable(node: Node, gm: GraphModule | None) -> Any:
-    if node.op == "call_module" and gm is not None:
-        return gm.get_submodule(str(node.target))
-    if node.op == "call_method":
-        return lambda self, *a, **k: getattr(self, str(node.target))(*a, **k)
-    return node.target
-
-
-def _meta_value(node: Node) -> Any:
-    return node.meta.get("val", node.meta.get("example_value"))
-
-
 def _first_dtype(args: Any) -> torch.dtype | None:
     for leaf in pytree.tree_leaves(args):
         if isinstance(leaf, torch.Tensor):
             return leaf.dtype
     return None
-
-
-def _random_inputs(gm: GraphModule) -> list[Any]:
-    values = []
-    for node in gm.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        val = _meta_value(node)
-        if isinstance(val, torch.Tensor):
-            shape = tuple(int(d) for d in val.shape)
-            if val.is_floating_point():
-                values.append(torch.randn(shape, dtype=val.dtype, device=val.device))
-            else:
-                values.append(torch.zeros(shape, dtype=val.dtype, device=val.device))
-        else:
-            values.append(val)
-    return values
 
 
 def peak_activation_bytes(nodes: Sequence[Node]) -> int:
@@ -589,7 +419,7 @@ def peak_activation_bytes(nodes: Sequence[Node]) -> int:
     for i, n in enumerate(nodes):
         if n.op in ("call_function", "call_method", "call_module", "placeholder") and not (
                 n.op != "placeholder" and is_view(n.target)):
-            size = tensor_bytes(_meta_value(n))
+            size = tensor_bytes(meta_value(n))
             live[n] = size
             current += size
             peak = max(peak, current)
@@ -603,7 +433,7 @@ def parameter_bytes(gm: GraphModule, nodes: Sequence[Node]) -> int:
     total = 0
     for n in nodes:
         if n.op == "get_attr":
-            value = _meta_value(n)
+            value = meta_value(n)
             if isinstance(value, torch.Tensor):
                 try:
                     real = gm.get_parameter(str(n.target))
@@ -615,7 +445,7 @@ def parameter_bytes(gm: GraphModule, nodes: Sequence[Node]) -> int:
                 if id(real) not in seen:
                     seen.add(id(real))
                     total += real.numel() * real.element_size()
-        elif n.op == "call_module" and gm is not None and str(n.target) not in _SKIPPED_MODULES:
+        elif n.op == "call_module" and gm is not None and str(n.target) not in SKIPPED_MODULES:
             for p in gm.get_submodule(str(n.target)).parameters():
                 if id(p) not in seen:
                     seen.add(id(p))

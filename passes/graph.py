@@ -1,9 +1,12 @@
 """Small graph helpers every pass needs: matching calls at any capture level, arguments by name,
-node metadata, attributes, new constants. One place, so passes read alike and a fix lands
+node metadata, attributes, new constants; and what the compiler reads of a graph module the
+passes made: a cheap copy (``copy_graph_module``), the graph to export (``portable``), the graph
+before precision casting (``full_precision``). One place, so passes read alike and a fix lands
 everywhere."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,7 +16,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.fx.operator_schemas import normalize_function
 
-from autoopt.cost_model.isolation import mark_read_only
+from autoopt.cost_model.isolation import is_read_only, mark_read_only
 
 from . import ops
 
@@ -303,3 +306,50 @@ def _packed_kernels(gm: GraphModule) -> list[Any]:
     return list({id(node.target): node.target for node in gm.graph.nodes
                  if node.op == "call_function" and callable(getattr(node.target, "release", None))
                  and callable(getattr(node.target, "restore", None))}.values())
+
+
+def copy_graph_module(gm: GraphModule) -> GraphModule:
+    """A module with its own graph (so a pass can rewrite it) sharing gm's tensors and
+    submodules (so the copy costs no parameter memory)."""
+    graph = copy.deepcopy(gm.graph)
+    new = GraphModule(gm, graph, class_name=type(gm).__name__)
+    new.meta = dict(getattr(gm, "meta", {}))
+    return new
+
+
+def drop_unread_constants(gm: GraphModule) -> None:
+    """Take out of ``gm`` the constants passes made (read-only) that no node reads any more:
+    a merged weight a lowering packed is held by the packed kernel's copy alone."""
+    for node in [n for n in gm.graph.nodes if n.op == "get_attr" and not n.users]:
+        value = attr(gm, node)
+        if isinstance(value, torch.Tensor) and is_read_only(value):
+            gm.graph.erase_node(node)
+    read = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    for name, value in list(gm.named_buffers(recurse=False)):
+        if name not in read and is_read_only(value):
+            delattr(gm, name)
+    gm.recompile()
+
+
+# ``gm.meta[FULL_PRECISION]``: the graph before the ``precision`` pass cast it, where it did.
+FULL_PRECISION = "full_precision"
+
+
+def full_precision(gm: GraphModule) -> GraphModule | None:
+    """The graph ``gm`` was before ``precision=`` cast it (portable, as ``portable``'s), or
+    None where the precision pass did not change it."""
+    return gm.meta.get(FULL_PRECISION)
+
+
+def portable(gm: GraphModule) -> GraphModule:
+    """The graph to export for ``gm``: the last one before device-specific lowering passes
+    (``autoopt.passes.LOWERING``), which a file for another runtime cannot hold."""
+    return gm.meta.get("portable", gm)
+
+
+def graph_to_keep(gm: GraphModule, backend: str) -> GraphModule:
+    """The graph an optimized module keeps for a specialization (export, inspection): ``gm``
+    where it runs the calls (``backend`` empty: aten), else the graph the other backend was
+    lowered from (``portable``), without the aten lowerings' packed weight copies that no
+    call would read (``hybrid`` calls them: it keeps ``gm``)."""
+    return gm if backend in ("", "hybrid") else portable(gm)

@@ -22,13 +22,23 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.fx import GraphModule, Node
 
 from autoopt.cost_model import allowance as memory
 
 from . import ops
 from .base import PassContext, PassResult
-from .graph import add_constant, call_kwargs, constant_tensor, meta_val, size_hints
+from .graph import (
+    add_constant,
+    attr,
+    call_kwargs,
+    constant_tensor,
+    copy_graph_module,
+    fake_like,
+    meta_val,
+    size_hints,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +46,7 @@ aten = torch.ops.aten
 
 # The ``get_attr`` node meta key naming what a merged weight stacks: ``[(target, weakref)]``.
 MERGED_FROM = "merged_from"
-# The meta key of an ``aten.cat`` node the driver put in place of a merged weight before the
+# The meta key of an ``aten.cat`` node the pass runner puts in place of a merged weight before the
 # lowerings: the concatenation of constants that a lowering may pack
 # (``autoopt.compile.pass_runner``).
 CONCATENATED = "merged_weight"
@@ -166,3 +176,93 @@ def _pays(ctx: PassContext, x_meta: torch.Tensor, weights: Sequence[torch.Tensor
     })
     log.debug("%s: %s", what, seconds)
     return best == "merged"
+
+
+def concatenations(gm: GraphModule) -> list[torch.fx.Node]:
+    """The concatenations ``as_concatenations`` put in ``gm``."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get(CONCATENATED)]
+
+
+def as_concatenations(gm: GraphModule) -> GraphModule:
+    """A copy of ``gm`` reading each merged weight (``merge_linear``) as the concatenation of
+    the user's weights it stacks, holding no copy of its own: the graph kept for export, and
+    the one the lowerings start from. ``gm`` itself where it has no merged weight (or one
+    whose sources are gone)."""
+    nodes = [n for n in gm.graph.nodes if n.op == "get_attr" and n.meta.get(MERGED_FROM)
+             and isinstance(attr(gm, n), torch.Tensor)]
+    if not nodes:
+        return gm
+    new = copy_graph_module(gm)
+    by_name = {n.name: n for n in new.graph.nodes}
+    first = next(n for n in new.graph.nodes if n.op != "placeholder")
+    changed = False
+    for old in nodes:
+        node = by_name[old.name]
+        sources = [(target, ref()) for target, ref in node.meta[MERGED_FROM]]
+        if any(t is None or not _has_or_sets(new, target, t) for target, t in sources):
+            continue  # a stacked weight is gone or shadowed: keep the merged copy
+        with new.graph.inserting_before(first):
+            parts = [new.graph.get_attr(target) for target, _ in sources]
+        for part, (_, t) in zip(parts, sources, strict=True):
+            part.meta["val"] = fake_like(new, t)
+        with new.graph.inserting_before(node):
+            cat = new.graph.call_function(torch.ops.aten.cat.default, (parts, 0))
+        cat.meta = {k: v for k, v in node.meta.items() if k != MERGED_FROM}
+        cat.meta[CONCATENATED] = True
+        node.replace_all_uses_with(cat)
+        new.graph.erase_node(node)
+        if str(node.target) not in {str(n.target) for n in new.graph.nodes if n.op == "get_attr"}:
+            delattr(new, str(node.target))
+        changed = True
+    if not changed:
+        return gm
+    new.recompile()
+    return new
+
+
+def fold_concatenations(gm: GraphModule, values: dict[str, torch.Tensor] | None = None,
+                         ) -> dict[str, torch.Tensor]:
+    """Undo ``as_concatenations`` where a concatenation is still read (a linear left on
+    aten): one merged copy again, computed once instead of per call (or taken from
+    ``values``, by node name); unread ones go. Returns the merged copies made, by node name."""
+    made: dict[str, torch.Tensor] = {}
+    for cat in concatenations(gm):
+        parts = list(cat.args[0])
+        if cat.users and (values is None or cat.name in values):
+            value = (values[cat.name] if values is not None
+                     else torch.cat([attr(gm, p).detach() for p in parts]))
+            with gm.graph.inserting_before(cat):
+                node = add_constant(gm, "merged_linear_weight", value)
+            cat.replace_all_uses_with(node)
+            made[cat.name] = value
+        elif cat.users:
+            continue
+        gm.graph.erase_node(cat)
+        for part in parts:
+            if not part.users:
+                gm.graph.erase_node(part)
+    gm.recompile()
+    return made
+
+
+def _has_or_sets(gm: GraphModule, target: str, tensor: torch.Tensor) -> bool:
+    """Whether ``gm`` has ``tensor`` at ``target``, putting it there if nothing is; False
+    where another value holds the name."""
+    *path, name = target.split(".")
+    owner: nn.Module = gm
+    for atom in path:
+        child = getattr(owner, atom, None)
+        if child is None:
+            child = nn.Module()
+            owner.add_module(atom, child)
+        if not isinstance(child, nn.Module):
+            return False
+        owner = child
+    current = getattr(owner, name, None)
+    if current is None:
+        if isinstance(tensor, nn.Parameter):
+            owner.register_parameter(name, tensor)
+        else:
+            owner.register_buffer(name, tensor)
+        return True
+    return current is tensor

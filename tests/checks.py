@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoopt.check.compare import compare, input_sets
+from autoopt.check.compare import compare
+from autoopt.check.inputs import input_sets
 
 
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:

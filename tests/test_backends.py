@@ -506,7 +506,7 @@ def test_a_dominated_candidate_is_skipped_once_what_dominates_it_is_built(
 
 
 def test_inductor_is_dominated_by_hybrid_only_on_a_cpu_with_the_default_candidates() -> None:
-    from autoopt.backends.whole_graph import _inductor_dominated
+    from autoopt.backends.inductor import dominated as _inductor_dominated
     from autoopt.options.config import OptimizeConfig
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")

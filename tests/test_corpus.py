@@ -25,7 +25,8 @@ from checks import assert_bit_identical, snapshot
 from corpus_models import TRAINING, corpus
 
 import autoopt
-from autoopt.check.compare import GRAD_PREFIX, compare, input_sets
+from autoopt.check.compare import GRAD_PREFIX, compare
+from autoopt.check.inputs import input_sets
 
 TABLE = Path(tempfile.gettempdir()) / "autoopt-corpus.md"  # the summary, one file per run
 

@@ -23,9 +23,9 @@ from torch.fx import GraphModule
 from autoopt.capture.graph import export_graph
 from autoopt.check.state import preserved
 from autoopt.cost_model import CostCache, CostModel
-from autoopt.options.memory import plan_for
 from autoopt.passes import PassContext
 from autoopt.planning.activations import profile_activations
+from autoopt.runtime.budget import plan_for
 
 
 class BatchNormNet(nn.Module):

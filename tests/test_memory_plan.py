@@ -248,7 +248,7 @@ def test_a_plan_that_changes_the_function_is_an_error_not_a_silent_fallback(
     read as "captured graph differs from eager" and the capture fell through to Dynamo, where
     no plan applies, so the budget the user asked for was dropped."""
     import autoopt.compile.specialize as specialize
-    from autoopt.compile.pass_runner import copy_graph_module
+    from autoopt.passes.graph import copy_graph_module
 
     real = specialize.memory_lib.apply_memory_budget
 

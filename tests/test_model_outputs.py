@@ -246,10 +246,10 @@ def test_objects_are_taken_apart_in_the_order_verification_walks_them() -> None:
     """Export's output spec and verification (and so ONNX output names) walk an object's
     attributes in one order: a dataclass by its fields, anything else by sorted names."""
     from autoopt.capture import objects
-    from autoopt.check.compare import _leaves
+    from autoopt.check.inputs import leaves
 
     tensors = [torch.full((1,), float(i)) for i in range(5)]
     value = (_Holder(*tensors[:3]), _Fields(tensors[3], tensors[4]))
-    leaves, _ = objects.flatten(value)
-    walked = [leaf for _, leaf in _leaves(value, "out") if isinstance(leaf, torch.Tensor)]
-    assert [t.item() for t in leaves] == [t.item() for t in walked] == [1.0, 2.0, 0.0, 3.0, 4.0]
+    flat, _ = objects.flatten(value)
+    walked = [leaf for _, leaf in leaves(value, "out") if isinstance(leaf, torch.Tensor)]
+    assert [t.item() for t in flat] == [t.item() for t in walked] == [1.0, 2.0, 0.0, 3.0, 4.0]

@@ -14,10 +14,9 @@ from torch.fx import GraphModule
 
 import autoopt
 from autoopt.capture.graph import export_graph
-from autoopt.compile.pass_runner import portable
 from autoopt.cost_model import CostCache, CostModel
 from autoopt.passes import PassContext, onednn_conv
-from autoopt.passes.graph import release_packed, restore_packed
+from autoopt.passes.graph import portable, release_packed, restore_packed
 from autoopt.passes.onednn_conv import PackedConv, available
 
 pytestmark = pytest.mark.skipif(not available(torch.device("cpu")),

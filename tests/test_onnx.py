@@ -21,9 +21,10 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 import autoopt
-from autoopt.check.compare import compare, input_sets
+from autoopt.check.compare import compare
+from autoopt.check.inputs import input_sets
 from autoopt.cli import main
-from autoopt.onnx.writer import first_line
+from autoopt.errors import first_line
 
 
 class Scorer(nn.Module):

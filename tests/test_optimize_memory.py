@@ -19,11 +19,11 @@ from torch import nn
 import autoopt
 from autoopt.capture.graph import export_graph
 from autoopt.check.compare import compare
-from autoopt.compile.pass_runner import copy_graph_module, portable
 from autoopt.cost_model import CostCache, CostModel
 from autoopt.cost_model.isolation import is_read_only, mark_read_only, preserved
 from autoopt.observe import memory_profile
 from autoopt.passes import PassContext, merge_linear, packed_linear
+from autoopt.passes.graph import copy_graph_module, portable
 
 merge_linear_module = importlib.import_module("autoopt.passes.merge_linear")
 packed_linear_module = importlib.import_module("autoopt.passes.packed_linear")

@@ -18,10 +18,9 @@ from torch.fx import GraphModule
 
 import autoopt
 from autoopt.capture.graph import export_graph
-from autoopt.compile.pass_runner import portable
 from autoopt.cost_model import CostCache, CostModel
 from autoopt.passes import PassContext, packed_linear
-from autoopt.passes.graph import release_packed, restore_packed
+from autoopt.passes.graph import portable, release_packed, restore_packed
 from autoopt.passes.packed_linear import _SHARED, KERNELS, PackedLinear, available, kernels
 
 CPU = torch.device("cpu")

@@ -17,7 +17,7 @@ from torch.fx import GraphModule
 
 import autoopt
 from autoopt import capture
-from autoopt.check.compare import _leaves, input_sets
+from autoopt.check.inputs import input_sets, leaves
 from autoopt.errors import ConfigError
 from autoopt.options import precision as precision_settings
 from autoopt.passes import PassContext, precision_policy
@@ -67,7 +67,7 @@ def _dtype_of(gm: GraphModule, target: Any) -> torch.dtype:
 def assert_within(expected: Any, actual: Any, tolerance: float) -> None:
     """Every floating output within ``tolerance * max(1, max |expected|)`` of fp32, the bound
     verification holds a precision option to."""
-    want, got = dict(_leaves(expected, "out")), dict(_leaves(actual, "out"))
+    want, got = dict(leaves(expected, "out")), dict(leaves(actual, "out"))
     assert want.keys() == got.keys()
     for key, e in want.items():
         if isinstance(e, torch.Tensor) and e.is_floating_point():

@@ -1,5 +1,5 @@
-"""The project's own promises: CI runs the README's commands, the layers point one way, and
-the code is lint-clean."""
+"""The project's own promises: CI runs the README's commands, the layers and packages point one
+way, modules stay small and keep their underscore names, and the code is lint-clean."""
 
 from __future__ import annotations
 
@@ -116,6 +116,74 @@ def test_no_import_cycle_inside_autoopt_lazy_imports_included() -> None:
         graph.add_edges_from((name, other) for other in _imports(name, path, modules))
     cycles = sorted(nx.simple_cycles(graph), key=len)
     assert not cycles, f"import cycles: {cycles[:5]}"
+
+
+# The packages of the installed namespace from the bottom up: a module imports from its own
+# package or from one on a lower row, lazily or not (docs/design.md, "Layout"). Packages on one
+# row may import each other as long as no cycle forms between packages.
+LAYERS = [("cost_model",), ("passes",), ("errors", "old_paths"), ("observe",), ("planning",),
+          ("check",), ("options",), ("capture", "onnx", "runtime"), ("backends",), ("compile",),
+          ("module",), ("generation", "export", "parallel", "diagnose"), ("api",),
+          ("cli", "__main__", "autoopt")]
+
+
+def _package(module: str) -> str:
+    """The package of ``autoopt.<package>...`` (a root module is its own; ``autoopt`` the
+    namespace's ``__init__``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _package_edges() -> dict[tuple[str, str], list[str]]:
+    modules = _modules()
+    edges: dict[tuple[str, str], list[str]] = {}
+    for name, path in modules.items():
+        for other in _imports(name, path, modules):
+            if _package(name) != _package(other):
+                edges.setdefault((_package(name), _package(other)), []).append(
+                    f"{name} -> {other}")
+    return edges
+
+
+def test_every_package_has_a_layer() -> None:
+    ranked = {p for row in LAYERS for p in row}
+    assert {_package(m) for m in _modules()} <= ranked
+
+
+def test_packages_import_only_their_own_layer_or_lower() -> None:
+    rank = {p: i for i, row in enumerate(LAYERS) for p in row}
+    upward = [why for (a, b), whys in _package_edges().items() if rank[b] > rank[a]
+              for why in whys]
+    assert not upward, upward
+
+
+def test_no_import_cycle_between_packages() -> None:
+    import networkx as nx
+
+    edges = _package_edges()
+    cycles = list(nx.simple_cycles(nx.DiGraph(list(edges))))
+    assert not cycles, [(c, [w for e in zip(c, c[1:] + c[:1], strict=True) for w in edges[e]][:4])
+                        for c in cycles]
+
+
+def test_no_module_imports_another_modules_underscore_names() -> None:
+    """An underscore name is its module's own; what another module needs is made public."""
+    modules = _modules()
+    offenders = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(
+                    "autoopt")):
+                offenders += [f"{name}:{node.lineno} {alias.name}" for alias in node.names
+                              if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert not offenders, offenders
+
+
+def test_no_module_is_longer_than_600_lines() -> None:
+    """A module that grew past this does more than one job; split it by job."""
+    long = {name: n for name, path in _modules().items()
+            if (n := len(path.read_text().splitlines())) > 600}
+    assert not long, long
 
 
 def test_only_the_defining_module_reads_optimized_modules_privates() -> None:

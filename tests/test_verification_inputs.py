@@ -18,7 +18,8 @@ from torch import nn
 from torch.fx import GraphModule, symbolic_trace
 
 import autoopt
-from autoopt.check.compare import check_all, input_sets, reference_run
+from autoopt.check.compare import check_all, reference_run
+from autoopt.check.inputs import input_sets
 from autoopt.compile.dynamo import verify_graph
 from autoopt.options.config import OptimizeConfig
 from autoopt.passes.base import PassResult

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from autoopt.check.compare import Tolerance, compare, fresh_like, input_sets, tf32_enabled
+from autoopt.check.compare import Tolerance, compare, tf32_enabled
+from autoopt.check.inputs import fresh_like, input_sets
 
 
 def test_within_float32_tolerance_passes_and_beyond_fails() -> None:

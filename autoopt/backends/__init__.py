@@ -17,20 +17,42 @@ against eager like a pass, and the fastest correct one runs the calls:
 - ``openvino``: the same ONNX file compiled by OpenVINO for the CPU (f32 unless ``precision=``
   asks otherwise), called in-process.
 
-``choose_backend`` (``choice``) does the measuring through the cost model, which caches the
-result on disk. Nothing heavy is imported here: ``import autoopt`` stays fast.
+Each backend is one module here holding ``BACKEND`` (the protocol is in ``base``); its name is
+listed in ``autoopt.options.backends``. ``choose_backend`` (``choice``) does the measuring
+through the cost model, which caches the result on disk. Nothing heavy is imported here:
+``import autoopt`` stays fast.
 """
 
 from __future__ import annotations
 
-BACKENDS: tuple[str, ...] = ("aten", "hybrid", "inductor", "onnxruntime", "openvino")
-# A comma-separated list of backends: the default candidates when the config names none (a
-# CI run or a serving fleet pins them without touching code).
-BACKENDS_VARIABLE = "AUTOOPT_BACKENDS"
+import importlib
+from typing import TYPE_CHECKING, Any
 
-# What ``backend_options={"inductor": {...}}`` may set: torch.compile's ``mode`` (e.g.
-# ``"max-autotune"``: Inductor benchmarks GEMM and convolution templates, minutes of compile
-# for kernels that can be faster) and Inductor config ``options``.
-INDUCTOR_OPTIONS: tuple[str, ...] = ("mode", "options")
+from autoopt.options.backends import BACKENDS, BACKENDS_VARIABLE, INDUCTOR_OPTIONS
 
-__all__ = ["BACKENDS", "BACKENDS_VARIABLE", "INDUCTOR_OPTIONS"]
+if TYPE_CHECKING:
+    from autoopt.backends.base import Backend, Lowering
+
+__all__ = ["BACKENDS", "BACKENDS_VARIABLE", "INDUCTOR_OPTIONS", "backend", "offers"]
+
+
+def backend(name: str) -> Backend:
+    """The backend named ``name`` (one of ``BACKENDS``): its module's ``BACKEND``."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; the backends are {BACKENDS}")
+    return importlib.import_module(f"{__name__}.{name}").BACKEND
+
+
+def offers(names: tuple[str, ...] | list[str], kind: str, graph: Any,
+           ) -> tuple[list[Lowering], dict[str, str]]:
+    """Each backend of ``names`` offered ``graph`` (``kind``: ``"whole_graph"`` or
+    ``"subgraph"``): the candidates it gave, in order, and why the others do not apply."""
+    lowerings: list[Lowering] = []
+    skipped: dict[str, str] = {}
+    for name in names:
+        offer = getattr(backend(name), kind)(graph)
+        if isinstance(offer, str):
+            skipped[name] = offer
+        else:
+            lowerings.append(offer)
+    return lowerings, skipped

@@ -22,16 +22,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from autoopt.backends.base import Lowering
 from autoopt.check.compare import VerifyResult
 from autoopt.check.report import BackendChoice
 from autoopt.check.state import preserved
 from autoopt.cost_model import CostModel
-from autoopt.errors import ConfigError
+from autoopt.errors import ConfigError, first_line
 from autoopt.observe import memory_profile
-from autoopt.onnx.writer import first_line
 
 log = logging.getLogger(__name__)
 
@@ -62,33 +61,6 @@ def decided(order: Sequence[str], seconds: dict[str, float]) -> str | None:
         if best is None or replaces(seconds[name], seconds[best]):
             best = name
     return best
-
-
-@dataclass
-class Lowering:
-    """One backend's lowering of a graph: ``build()`` returns what to call, or raises.
-
-    ``verified``: the result is already checked against eager (the pass driver's graph).
-    ``memory``: about how many bytes building it adds (its copies of the weights, its
-    compiler's working set), checked against what optimize may still add.
-    ``regions``: where it runs more than one kernel library, how the graph is split between
-    them (for the report, when it is chosen).
-    ``release``: drops what the built callable holds and can make again (its packed weights),
-    returning the bytes dropped; the callable still works, making them again when called.
-    ``restore``: makes them again now.
-    ``dominated_by``: another candidate's name and why this one is not worth building once
-    that one is (it can at most tie it); once that one is built and verified for the graph,
-    this one is skipped with the reason (not built, not measured).
-    """
-
-    name: str
-    build: Callable[[], Callable[..., Any]]
-    verified: bool = False
-    memory: int = 0
-    regions: Callable[[], str] | None = None
-    release: Callable[[], int] | None = None
-    restore: Callable[[], None] | None = None
-    dominated_by: tuple[str, str] | None = None
 
 
 def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str, str], *,
@@ -157,7 +129,7 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
                     verdict = None if lowering.verified or verify is None else verify(run)
         except Exception as exc:  # noqa: BLE001 - a backend that fails is skipped, not fatal
             log.info("backend %s failed: %s", lowering.name, exc)
-            skipped[lowering.name] = f"failed to lower: {_first_line(exc)}"
+            skipped[lowering.name] = f"failed to lower: {_failure(exc)}"
             return None
         if verdict is not None and not verdict.ok:
             skipped[lowering.name] = f"{DIFFERS} ({verdict.detail})"
@@ -252,7 +224,7 @@ def _against_eager(lowerings: Sequence[Lowering], build: _Build,
                             {name: timer(run), _EAGER: yardstick}, state, gradients)
         except Exception as exc:  # noqa: BLE001 - a verified candidate that fails when timed
             # It matched eager: it still runs if no other is measured.
-            skipped[name] = f"not measured: timing it raised {_first_line(exc)}"
+            skipped[name] = f"not measured: timing it raised {_failure(exc)}"
             ratios[name] = float("inf")
             return
         ratios[name] = pair[name] / pair[_EAGER]
@@ -320,7 +292,7 @@ def _against_best(lowerings: Sequence[Lowering], build: _Build,
         except Exception as exc:  # noqa: BLE001 - a verified candidate that fails when timed
             # The preferred candidate still runs (both matched eager); the reason is kept.
             skipped[lowering.name] = (f"not measured: timing the candidates raised "
-                                      f"{_first_line(exc)}")
+                                      f"{_failure(exc)}")
             winner, pair = best[0], {}
         for name, value in pair.items():
             seconds.setdefault(name, value)
@@ -351,5 +323,5 @@ def _regions(lowering: Lowering) -> str:
     return lowering.regions() if lowering.regions is not None else ""
 
 
-def _first_line(exc: BaseException) -> str:
+def _failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first_line(exc, 240)}"

@@ -41,8 +41,10 @@ from torch.fx.graph import CodeGen
 from torch.utils import _pytree as pytree
 
 from autoopt.backends import inductor
+from autoopt.backends.base import Backend, Lowering, Subgraph, WholeGraph
+from autoopt.check.inputs import clone_inputs
 from autoopt.check.state import preserved
-from autoopt.compile.pass_runner import copy_graph_module
+from autoopt.passes.graph import copy_graph_module
 
 # The kernel table of the graph this thread is running (or compiling): the op's ``index``
 # points into it. Each entry: the kernel, its arguments with each tensor an index into the
@@ -389,3 +391,30 @@ def _opaque_constant(gm: GraphModule, node: Node) -> bool:
     value = _fetch(gm, node.target)
     return isinstance(value, torch.ScriptObject) or (
         isinstance(value, torch.Tensor) and value.layout != torch.strided)
+
+
+class Hybrid(Backend):
+    name = "hybrid"
+
+    def whole_graph(self, graph: WholeGraph) -> Lowering | str:
+        why = inductor.available() or (
+            "inference only (autoopt's kernels are inference lowerings, with no gradient)"
+            if graph.gradients else
+            "memory_budget's plan (recompute, offload) is applied to the aten graph"
+            if graph.memory_plan else
+            "no autoopt kernel in the graph: it would be the inductor backend"
+            if not opaque_nodes(graph.gm) else "")
+        if why:
+            return why
+        return Lowering(self.name, lambda: graph.warm(graph.call(lower(
+            graph.gm, None if graph.adapt is not None else clone_inputs(graph.args, graph.kwargs),
+            dynamic=graph.dynamic, settings=graph.settings("inductor")))),
+            regions=lambda: regions(graph.gm), **graph.packed)
+
+    def subgraph(self, graph: Subgraph) -> str:
+        # Its weights are inputs, not constants, so no weight is packed for autoopt's
+        # kernels: hybrid would be the inductor backend.
+        return "no autoopt kernel in a Dynamo subgraph (its weights are inputs)"
+
+
+BACKEND = Hybrid()

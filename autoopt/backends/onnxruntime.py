@@ -19,7 +19,9 @@ import torch
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
+from autoopt.backends.base import Backend, Lowering, WholeGraph
 from autoopt.capture import objects
+from autoopt.cost_model.isolation import written_placeholders
 from autoopt.errors import InputError
 from autoopt.observe import memory_profile
 from autoopt.onnx import graph as onnx_graph
@@ -232,3 +234,26 @@ def _has_matmul(provider: str, element: int) -> bool:
             log.debug("onnxruntime: no %s MatMul on %s: %s", element, provider, exc)
             _MATMUL_KERNELS[key] = False
     return _MATMUL_KERNELS[key]
+
+
+class OnnxRuntime(Backend):
+    name = "onnxruntime"
+
+    def whole_graph(self, graph: WholeGraph) -> Lowering | str:
+        source, device = graph.source, graph.device
+        why = available() or (
+            "inference only (ONNX Runtime computes no gradients)" if graph.gradients else
+            "the graph takes the model's inputs positionally (symbolic_trace); ONNX export "
+            "needs a torch.export graph" if graph.adapt is not None else
+            "the graph writes its inputs in place (a KV cache); an ONNX graph returns new "
+            "values and cannot" if written_placeholders(source) else
+            f"no ONNX Runtime provider for {device.type}" if device.type not in _PROVIDERS
+            else unsupported_dtypes(source, device))
+        if why:
+            return why
+        return Lowering(self.name, lambda: graph.warm(lower(
+            source, graph.module.forward, graph.args, graph.kwargs, graph.expected(), device,
+            exports=graph.exports)), memory=memory_estimate(source))
+
+
+BACKEND = OnnxRuntime()

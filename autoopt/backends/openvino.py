@@ -31,12 +31,15 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
+from autoopt.backends.base import Backend, Lowering, WholeGraph
 from autoopt.backends.onnxruntime import OrtGraph, lookups
+from autoopt.cost_model.isolation import written_placeholders
 from autoopt.errors import AutoOptError, InputError
 from autoopt.observe import memory_profile
 from autoopt.onnx import graph as onnx_graph
 from autoopt.onnx.signature import in_forward_order, name_inputs, name_outputs
 from autoopt.onnx.writer import weight_bytes
+from autoopt.passes.graph import full_precision
 
 log = logging.getLogger(__name__)
 
@@ -201,3 +204,32 @@ def version() -> str:
         return importlib.metadata.version("openvino")
     except importlib.metadata.PackageNotFoundError:
         return "none"
+
+
+class OpenVino(Backend):
+    name = "openvino"
+
+    def whole_graph(self, graph: WholeGraph) -> Lowering | str:
+        # Under precision="bf16", OpenVINO's own bf16 mode on the graph before autoopt's
+        # casts: its hint, verified under the precision's tolerance like autoopt's map.
+        precision, source = precision_of(graph)
+        why = unsupported(source, graph.device, graph.gradients, graph.adapt is not None,
+                          bool(written_placeholders(source)))
+        if why:
+            return why
+        return Lowering(self.name, lambda: graph.warm(lower(
+            source, graph.module.forward, graph.args, graph.kwargs, graph.expected(),
+            graph.device, precision, graph.exports)),
+            memory=memory_estimate(source), regions=lambda: describe(precision))
+
+
+BACKEND = OpenVino()
+
+
+def precision_of(graph: WholeGraph) -> tuple[str, GraphModule]:
+    """The precision OpenVINO runs in, and the graph it is given: under a precision it has a
+    hint for, the graph from before autoopt cast it."""
+    fp32 = full_precision(graph.gm)
+    if graph.config.precision in HINTS and fp32 is not None:
+        return graph.config.precision, fp32
+    return "fp32", graph.source

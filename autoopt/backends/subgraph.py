@@ -1,4 +1,5 @@
-"""The backend for one Dynamo subgraph: ``aten`` (the optimized graph) or ``inductor``.
+"""The backend for one Dynamo subgraph, offered to each backend the user allows: today
+``aten`` (the optimized graph) or ``inductor``.
 
 A Dynamo subgraph takes flat tensors (its parameters among them) and is lowered by Inductor
 exactly as ``torch.compile``'s default backend lowers it (``compile_fx``, inside Dynamo's
@@ -11,19 +12,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch.fx import GraphModule
 
-from autoopt.backends import inductor
-from autoopt.backends.choice import Lowering, choose_backend
+from autoopt.backends import inductor, offers
+from autoopt.backends.base import Subgraph
+from autoopt.backends.choice import choose_backend
 from autoopt.backends.whole_graph import identity
-from autoopt.check.compare import VerifyResult, clone_inputs
+from autoopt.check.compare import VerifyResult
+from autoopt.check.inputs import clone_inputs
 from autoopt.check.report import BackendChoice
 from autoopt.check.state import preserved
-from autoopt.compile.pass_runner import copy_graph_module, portable
 from autoopt.cost_model import CostModel
 from autoopt.options.config import OptimizeConfig
-from autoopt.passes.graph import written_placeholders, written_tensors
+from autoopt.passes.graph import portable, written_placeholders, written_tensors
 
 
 def lower_subgraph(optimized: GraphModule, example_inputs: Sequence[Any], inputs: list[Any], *,
@@ -38,31 +39,10 @@ def lower_subgraph(optimized: GraphModule, example_inputs: Sequence[Any], inputs
         inputs: the same made concrete, to verify and time on.
         gradients: a gradient can flow through it.
     """
-    lowerings, skipped = [], {}
     if gradients:
         inductor.keep_backward_buffers()  # for inductor, and aot_eager (checkpointed regions)
-    for name in config.candidate_backends:
-        if name == "aten":
-            if gradients and _checkpointed(optimized):
-                lowerings.append(Lowering("aten", lambda: _aot_eager(optimized, example_inputs)))
-            else:
-                lowerings.append(Lowering("aten", lambda: optimized, verified=True))
-        elif name == "inductor":
-            why = inductor.available() or (
-                inductor.partial_gradients(optimized, inputs) if gradients else "")
-            if why:
-                skipped[name] = why
-            else:
-                lowerings.append(Lowering(name, lambda: _inductor(
-                    optimized, example_inputs, dict(config.backend_options.get("inductor", {}))),
-                    memory=inductor.memory_estimate(portable(optimized), gradients)))
-        elif name == "hybrid":
-            # Its weights are inputs, not constants, so no weight is packed for autoopt's
-            # kernels: hybrid would be the inductor backend.
-            skipped[name] = "no autoopt kernel in a Dynamo subgraph (its weights are inputs)"
-        else:
-            skipped[name] = ("a Dynamo subgraph is one piece of a forward whose Python runs "
-                             "in between; it is lowered by aten or inductor")
+    graph = Subgraph(optimized, example_inputs, inputs, config, gradients)
+    lowerings, skipped = offers(config.candidate_backends, "subgraph", graph)
 
     def timer(run: Callable[..., Any]) -> Callable[[], Any]:
         # The forward alone, with gradients recorded where they flow: this runs inside
@@ -81,30 +61,3 @@ def lower_subgraph(optimized: GraphModule, example_inputs: Sequence[Any], inputs
         return choose_backend(label, lowerings, skipped, verify=verify, timer=timer,
                               cost_model=cost_model, what=what,
                               required=config.backend is not None, gradients=gradients)
-
-
-def _inductor(optimized: GraphModule, example_inputs: Sequence[Any],
-              settings: dict[str, Any]) -> Callable[..., Any]:
-    from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import compile_fx
-
-    # A copy: Inductor rewrites the graph module it is given.
-    with inductor_config.patch(inductor.config_of(settings)):
-        return compile_fx(copy_graph_module(portable(optimized)), list(example_inputs))
-
-
-def _checkpointed(gm: GraphModule) -> bool:
-    """Whether ``gm`` holds a region ``torch.utils.checkpoint`` recomputes in the backward."""
-    checkpoint = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
-    return checkpoint is not None and any(
-        n.op == "call_function" and n.target is checkpoint for n in gm.graph.nodes)
-
-
-def _aot_eager(optimized: GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-    """The graph run through AOTAutograd with no compiler. Dynamo hands a checkpointed region
-    over with the random state's preservation off, leaving it to AOTAutograd: run as it is,
-    the backward's recompute drew new dropout masks (gradients off by the whole gradient's
-    scale, the forward exact)."""
-    from torch._dynamo.backends.debugging import aot_eager
-
-    return aot_eager(copy_graph_module(optimized), list(example_inputs))

@@ -12,7 +12,7 @@ module's output spec is then rewritten (``make_portable``) to name autoopt's own
 returns a real ``DynamicCache``, and nothing global is left changed after ``optimize``.
 
 An object is taken apart by its attributes (``vars``): the ones that hold a tensor somewhere
-become the node's children, in the order ``autoopt.check.compare`` walks them (a dataclass's fields,
+become the node's children, in the order ``autoopt.check.inputs`` walks them (a dataclass's fields,
 else sorted names), the rest ride along in the spec and are copied into each rebuilt object.
 """
 
@@ -29,7 +29,7 @@ from torch.fx import GraphModule
 from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
-from autoopt.check.compare import attribute_names
+from autoopt.check.inputs import attribute_names
 
 _PLAIN = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 

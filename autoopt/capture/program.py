@@ -11,8 +11,8 @@ from torch.fx._pytree import tree_flatten_spec
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from autoopt.capture.graph import dynamic_shapes_for
-from autoopt.compile.pass_runner import portable
 from autoopt.errors import ModelError
+from autoopt.passes.graph import portable
 
 
 def save_program(optimized: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any],

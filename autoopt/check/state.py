@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoopt.cost_model.isolation import _MODULE_INTERNALS, _copy_attribute, _freeze, preserved
+from autoopt.cost_model.isolation import MODULE_INTERNALS, copy_attribute, freeze, preserved
 
 __all__ = ["ABSENT", "HookKey", "StateKey", "assign_attributes", "attribute_copies",
            "attribute_values", "changed_state", "has_hooks", "hook_keys", "own_buffers",
@@ -34,7 +34,7 @@ StateKey = tuple[str, str]  # (submodule path, attribute name), as python_state 
 def _user_attributes(module: nn.Module) -> Iterator[tuple[str, str, Any]]:
     for prefix, m in module.named_modules(remove_duplicate=False):
         for key, value in vars(m).items():
-            if key not in _MODULE_INTERNALS:
+            if key not in MODULE_INTERNALS:
                 yield prefix, key, value
 
 
@@ -44,7 +44,7 @@ def python_state(module: nn.Module) -> dict[tuple[str, str], Any]:
     Tensors held as plain attributes are summarised by identity and version counter, so both
     re-assignment and in-place writes show up.
     """
-    return {(prefix, key): _freeze(value) for prefix, key, value in _user_attributes(module)}
+    return {(prefix, key): freeze(value) for prefix, key, value in _user_attributes(module)}
 
 
 @contextlib.contextmanager
@@ -99,7 +99,7 @@ def attribute_values(module: nn.Module, keys: list[StateKey]) -> dict[StateKey, 
 def attribute_copies(module: nn.Module) -> dict[StateKey, Any]:
     """Every attribute ``python_state`` sees, containers copied (as ``preserved`` keeps
     them), so that ``assign_attributes`` can put them back after a call changed them."""
-    return {(p, k): _copy_attribute(v) for p, k, v in _user_attributes(module)}
+    return {(p, k): copy_attribute(v) for p, k, v in _user_attributes(module)}
 
 
 def assign_attributes(module: nn.Module, values: dict[StateKey, Any]) -> None:
@@ -147,9 +147,9 @@ def uses_custom_autograd(outputs: Any) -> bool:
     whose hand-written backward a traced graph of its forward ops would silently replace."""
     from torch.autograd.function import BackwardCFunction
 
-    from autoopt.check.compare import _leaves
+    from autoopt.check.inputs import leaves
 
-    stack = [leaf.grad_fn for _, leaf in _leaves(outputs, "out")
+    stack = [leaf.grad_fn for _, leaf in leaves(outputs, "out")
              if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None]
     seen: set[int] = set()
     while stack:

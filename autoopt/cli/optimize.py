@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from autoopt.backends import BACKENDS
 from autoopt.cli.common import (
     add_disable_argument,
     add_dynamic_argument,
@@ -18,6 +17,7 @@ from autoopt.cli.common import (
 from autoopt.cli.names import PRECISIONS
 from autoopt.cli.progress import output, stage
 from autoopt.errors import ConfigError
+from autoopt.options.backends import BACKENDS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

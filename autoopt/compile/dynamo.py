@@ -16,14 +16,15 @@ from torch.fx import GraphModule
 
 from autoopt.backends.subgraph import lower_subgraph
 from autoopt.capture.graph import annotate, concrete_inputs
-from autoopt.check.compare import VerifyResult, check_all, clone_inputs, input_sets, reference_run
+from autoopt.check.compare import VerifyResult, check_all, reference_run
+from autoopt.check.inputs import clone_inputs, input_sets
 from autoopt.check.report import CaptureRecord, PassRecord
 from autoopt.check.state import preserved
-from autoopt.compile.pass_runner import copy_graph_module, run_pipeline
+from autoopt.compile.pass_runner import run_pipeline
 from autoopt.cost_model import CostModel
 from autoopt.options.config import OptimizeConfig
 from autoopt.passes import PassContext
-from autoopt.passes.graph import written_placeholders, written_tensors
+from autoopt.passes.graph import copy_graph_module, written_placeholders, written_tensors
 
 
 def autoopt_backend(gm: GraphModule, example_inputs: Sequence[Any], *,

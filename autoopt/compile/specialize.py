@@ -25,16 +25,8 @@ from torch.utils import _pytree as pytree
 from autoopt.backends.whole_graph import lower_whole_graph
 from autoopt.capture import graph as capture_lib
 from autoopt.capture.objects import foreign_types
-from autoopt.check.compare import (
-    VerifyResult,
-    _leaves,
-    check_all,
-    clone_inputs,
-    compare,
-    gradients,
-    input_sets,
-    reference_run,
-)
+from autoopt.check.compare import VerifyResult, check_all, compare, gradients, reference_run
+from autoopt.check.inputs import clone_inputs, input_sets, leaves
 from autoopt.check.report import CaptureRecord, PassRecord, Report
 from autoopt.check.state import (
     ABSENT,
@@ -55,15 +47,16 @@ from autoopt.check.state import (
 )
 from autoopt.compile.dynamo import autoopt_backend
 from autoopt.compile.guards import InputSignature, current_modes, needs_gradients, signature_of
-from autoopt.compile.pass_runner import graph_to_keep, run_pipeline
+from autoopt.compile.pass_runner import run_pipeline
 from autoopt.cost_model import CostModel
 from autoopt.cost_model.isolation import is_read_only
 from autoopt.errors import ConfigError, ModelError, wrapped_error
 from autoopt.observe import memory_profile
-from autoopt.options import memory as memory_lib
 from autoopt.options.config import OptimizeConfig
+from autoopt.options.memory import parse_budget
 from autoopt.passes import PassContext
-from autoopt.passes.graph import release_packed
+from autoopt.passes.graph import graph_to_keep, release_packed
+from autoopt.runtime import budget as budget_lib
 from autoopt.runtime import cuda_graphs
 
 log = logging.getLogger(__name__)
@@ -399,7 +392,7 @@ class Capturer:
         names = state_names(changed)
         what = f"forward changes Python state ({names})" if changed else "forward adds hooks"
         expected = {p: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                    for p, v in _leaves(first, "output")}
+                    for p, v in leaves(first, "output")}
         after, hooks = python_state(self.module), hook_keys(self.module)
         try:
             second = self._probe_call(args, kwargs)
@@ -411,13 +404,13 @@ class Capturer:
                     f"graph would replay the values of one call"), None
         if hook_keys(self.module) - hooks:
             return "forward adds hooks on every call", None
-        result = compare(expected, dict(_leaves(second, "output")),
+        result = compare(expected, dict(leaves(second, "output")),
                          self._config.verification_tolerances)
         if not result.ok:
             return (f"{what} on its first call and computes differently on later calls "
                     f"({result.detail})"), None
         kept = attribute_values(self.module, changed)
-        held = [v for _, v in _leaves(kept, "state") if isinstance(v, torch.Tensor)]
+        held = [v for _, v in leaves(kept, "state") if isinstance(v, torch.Tensor)]
         if any(v.requires_grad for v in held):
             return f"{what}, keeping tensors with gradient history", None
         if {id(v) for v in held} & copies.keys():
@@ -647,8 +640,8 @@ class Capturer:
         plan that changes the function is an error, not a silent fall-back to a capture
         without it."""
         start = time.perf_counter()
-        planned, plan = memory_lib.apply_memory_budget(
-            gm, ctx, memory_lib.parse_budget(self._config.memory_budget),
+        planned, plan = budget_lib.apply_memory_budget(
+            gm, ctx, parse_budget(self._config.memory_budget),
             self._config.memory_modes)
         record.memory_plan = plan
         if check is not None:
@@ -685,14 +678,14 @@ class Capturer:
             with preserved(*holders):
                 torch.manual_seed(0)
                 out = fn(*a, **k)
-                leaves = {p: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                          for p, v in _leaves(out, "output")}
-                leaves.update(_leaves((a, k), "inputs after the call"))
+                values = {p: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                          for p, v in leaves(out, "output")}
+                values.update(leaves((a, k), "inputs after the call"))
                 if differentiable:
-                    leaves.update(gradients(out, (a, k), module.named_parameters()))
+                    values.update(gradients(out, (a, k), module.named_parameters()))
                 buffers = {n: b.detach().clone() for n, b in owner.named_buffers()
                            if not is_read_only(b)}  # a pass's constants: no run writes them
-            return leaves, buffers
+            return values, buffers
 
         def run_pair(a: tuple[Any, ...], k: dict[str, Any]) -> tuple[Any, Any]:
             key = (id(a), id(k))  # () is one shared object; the kwargs dicts are not
@@ -746,7 +739,7 @@ def _constant_bytes(spec: Compiled) -> int:
 def _state_values(values: dict[StateKey, Any]) -> dict[str, Any]:
     """The leaves of kept Python state, tensors copied: what two first calls compare."""
     return {p: v.detach().clone() if isinstance(v, torch.Tensor) else v
-            for p, v in _leaves(list(values.values()), "state")}
+            for p, v in leaves(list(values.values()), "state")}
 
 
 class _Mismatch(Exception):

@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import logging
 import statistics
-from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,9 +36,10 @@ import torch
 from torch import nn
 
 from autoopt.cost_model import GraphCost
-from autoopt.diagnose.findings import Finding, Remedy, find_causes
+from autoopt.diagnose.attribution import attribute
+from autoopt.diagnose.findings import Finding, Remedy
 from autoopt.diagnose.mfu import StepFlops, step_flops
-from autoopt.diagnose.per_op import OpTime, bound_by_op, profile_ops, roofline_cost, roofline_labels
+from autoopt.diagnose.per_op import OpTime, profile_ops, roofline_cost
 from autoopt.diagnose.sampler import Utilization, UtilizationSampler
 from autoopt.diagnose.whole_step import StepOptions, copy_optimizer, fused_overrides, settings_off
 from autoopt.diagnose.workload import Progress, StepTimes, Workload, batch_size
@@ -50,8 +50,6 @@ log = logging.getLogger(__name__)
 
 # On a CPU: the process got under this share of its threads while the cores were this busy
 # (percent): other processes held the CPU.
-_CONTENDED_BUSY = 0.9
-_CONTENDED_CPU = 85.0
 
 
 @dataclass
@@ -453,8 +451,10 @@ def diagnose(model: nn.Module, data: Any, example_kwargs: Mapping[str, Any] | No
             batches.close()
         cost = roofline_cost(workload, progress) if roofline else None
         flops = step_flops(workload, statistics.median(t[3] for t in timings))
-    diagnosis = _attribute(workload, timings, process_cpu, sampler.result, ops, launches, cost,
-                           steps)
+    split = attribute(workload, timings, process_cpu, sampler.result, ops, launches, cost, steps)
+    diagnosis = Diagnosis(split.findings, split.step, split.shares, str(workload.device),
+                          workload.training, steps, batch_size(workload), sampler.result,
+                          split.ops, cost, split.notes, workload)
     diagnosis.findings = _unapplied(diagnosis.findings, model, workload.source)
     diagnosis.flops = flops
     if flops is not None:
@@ -531,68 +531,6 @@ def _whole_step_notes(w: Workload) -> list[str]:
     if off:
         notes.append(f"off in this process: {', '.join(off)}; apply() tries each")
     return notes
-
-
-def _attribute(w: Workload, timings: list[tuple[float, float, float, float]],
-               process_cpu: float, util: Utilization, ops: list[OpTime],
-               launches: dict[str, float], cost: GraphCost | None, steps: int) -> Diagnosis:
-    """Split step time into the four causes and write a finding for each that matters."""
-    data, transfer, compute, total = (sum(col) for col in zip(*timings, strict=True))
-    median = StepTimes(*(statistics.median(col) for col in zip(*timings, strict=True)))
-    notes: list[str] = []
-    fractions = {"compute": 1.0, "memory": 0.0, "overhead": 0.0}
-    labels: dict[str, str] = {}
-    if cost is not None and cost.latency_s > 0:
-        labels = roofline_labels(cost, w.device)
-        by_bound = Counter[str]()
-        for c in cost.nodes:
-            by_bound[labels[c.node]] += c.latency_s
-        fractions = {b: by_bound[b] / cost.latency_s for b in ("compute", "memory", "overhead")}
-        bounds = bound_by_op(cost, labels)
-        ops = [dataclasses.replace(o, bound=bounds.get(o.name, "")) for o in ops]
-        if w.training:
-            notes.append("roofline labels come from the forward graph; backward is assumed "
-                         "to split the same way")
-    else:
-        notes.append("no whole graph for the cost model (torch.export failed or roofline=False)"
-                     ": compute time is not split by memory/overhead")
-    busy = _busy_fraction(w, process_cpu, compute, launches, steps)
-    machine = util.mean("cpu_percent")
-    if w.device.type == "cpu" and busy < _CONTENDED_BUSY and (machine or 0) >= _CONTENDED_CPU:
-        # Our threads were runnable but the cores were taken: that idle time says nothing
-        # about the model's parallelism, so it goes to "other", with a note.
-        notes.append(f"the CPU was shared: all cores were {machine:.0f}% busy while this "
-                     f"process got {busy:.0%} of its {torch.get_num_threads()} thread(s) "
-                     "during compute; other processes inflate these timings. Rerun on an "
-                     "idle machine.")
-        busy = 1.0
-    compute_share = compute / total
-    shares = {
-        "data": (data + transfer) / total,
-        "memory": compute_share * fractions["memory"],
-        "operators": compute_share * fractions["overhead"],
-        "parallelism": compute_share * fractions["compute"] * (1 - busy),
-    }
-    shares["useful compute"] = compute_share * fractions["compute"] * busy
-    shares["other"] = max(0.0, 1.0 - sum(shares.values()))
-    context = dict(w=w, median=median, util=util, launches=launches, cost=cost,
-                   fractions=fractions, busy=busy, ops=ops, labels=labels)
-    findings = find_causes(shares, **context)
-    batch = batch_size(w)
-    return Diagnosis(findings, median, shares, str(w.device), w.training, steps, batch, util,
-                     ops, cost, notes, w)
-
-
-def _busy_fraction(w: Workload, process_cpu: float, compute: float,
-                   launches: dict[str, float], steps: int) -> float:
-    """Share of the compute phase the device was working: kernel time on a GPU, the
-    process's CPU time over the intra-op threads on a CPU."""
-    if compute <= 0:
-        return 1.0
-    if w.device.type == "cuda":
-        per_step = compute / steps
-        return min(1.0, launches.get("kernel_s", 0.0) / per_step) if launches else 1.0
-    return min(1.0, process_cpu / compute / torch.get_num_threads())
 
 
 def _names(options: StepOptions) -> list[str]:

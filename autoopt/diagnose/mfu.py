@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from autoopt.cost_model.dtype_speed import matmul_flops, raise_matmul_flops
-from autoopt.diagnose.workload import Workload, _default_loss
+from autoopt.diagnose.workload import Workload, default_loss
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def step_flops(w: Workload, step_s: float) -> StepFlops | None:
             forward = sum(counter.by_dtype.values())
             if w.training:
                 batch = w._to_device(w.first_batch) if w.is_loader else None
-                loss = w.loss_fn(out, batch) if w.loss_fn else _default_loss(out)
+                loss = w.loss_fn(out, batch) if w.loss_fn else default_loss(out)
                 with counter:
                     loss.backward()
                 model.zero_grad(set_to_none=True)

@@ -226,7 +226,7 @@ class Workload:
             (None, inputs)
         out = self.model(*args, **kwargs)
         if self.training:
-            loss = self.loss_fn(out, batch) if self.loss_fn else _default_loss(out)
+            loss = self.loss_fn(out, batch) if self.loss_fn else default_loss(out)
             loss.backward()
             if self.optimizer is not None:
                 self.optimizer.step()
@@ -251,7 +251,9 @@ def _default_unpack(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (batch,), {}
 
 
-def _default_loss(out: Any) -> torch.Tensor:
+def default_loss(out: Any) -> torch.Tensor:
+    """The loss of a training step the user gave none for: the mean of each floating output
+    that requires grad, summed."""
     leaves = [t for t in pytree.tree_leaves(out)
               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
     if not leaves:

@@ -38,15 +38,8 @@ from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
 from autoopt.capture import objects
-from autoopt.check.compare import (
-    Tolerance,
-    VerifyResult,
-    _leaves,
-    check_all,
-    input_sets,
-    reference_run,
-)
-from autoopt.compile.pass_runner import portable
+from autoopt.check.compare import Tolerance, VerifyResult, check_all, reference_run
+from autoopt.check.inputs import input_sets, leaves
 from autoopt.errors import AutoOptError, ConfigError, ModelError, ModelSpecError, require
 from autoopt.observe import progress
 from autoopt.onnx.session import OnnxSession, onnx_session
@@ -72,6 +65,7 @@ from autoopt.onnx.writer import (
     write_onnx,
 )
 from autoopt.options import precision as precision_lib
+from autoopt.passes.graph import portable
 
 log = logging.getLogger(__name__)
 
@@ -372,7 +366,7 @@ def _verify(report: OnnxReport, session: OnnxSession, eager: nn.Module, args: tu
     def run_pair(a: tuple[Any, ...], k: dict[str, Any]) -> tuple[Any, Any]:
         with torch.no_grad(), reference_run():  # eager rejecting a random set discards it
             expected = eager(*a, **k)
-        tensors = [leaf for _, leaf in _leaves(expected, "output")
+        tensors = [leaf for _, leaf in leaves(expected, "output")
                    if isinstance(leaf, torch.Tensor)]
         feeds = {n: t for n, t in flat_tensors(a, k, input_names).items()
                  if n in session.input_names}

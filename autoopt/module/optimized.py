@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from autoopt.check.compare import clone_inputs
+from autoopt.check.inputs import clone_inputs
 from autoopt.check.report import Report
 from autoopt.check.state import has_hooks
 from autoopt.compile.guards import (

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from autoopt.check.state import HOOK_TABLES
-from autoopt.cost_model.isolation import _MODULE_INTERNALS
+from autoopt.cost_model.isolation import MODULE_INTERNALS
 
 # Parameters and buffers assigned to a watched module (``module.weight = Parameter(...)``,
 # ``register_buffer``, ``load_state_dict(assign=True)``) are counted on its watch.
@@ -87,7 +87,7 @@ def _is_scalar(value: Any) -> bool:
 
 
 def _names(namespace: dict[str, Any]) -> frozenset[str]:
-    return frozenset(k for k in namespace if k not in _MODULE_INTERNALS)
+    return frozenset(k for k in namespace if k not in MODULE_INTERNALS)
 
 
 def _instance_function(value: Any) -> bool:
@@ -241,7 +241,7 @@ class ModuleWatch:
             keys = []
             names.append((m.__dict__, _names(m.__dict__)))
             for key, value in vars(m).items():
-                if key in _MODULE_INTERNALS or key.startswith("__"):
+                if key in MODULE_INTERNALS or key.startswith("__"):
                     continue
                 if _is_scalar(value) or _instance_function(value):
                     keys.append(key)

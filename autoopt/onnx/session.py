@@ -24,9 +24,9 @@ from autoopt.errors import (
     DeviceError,
     InputError,
     ModelSpecError,
+    first_line,
     require,
 )
-from autoopt.onnx.writer import first_line
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autoopt.capture.graph import dynamic_shapes_for
-from autoopt.check.compare import _leaves
+from autoopt.check.inputs import leaves
 from autoopt.errors import ConfigError, InputError
 
 # The dimensions ``dynamic=`` can name, and which input dimension each one is:
@@ -209,7 +209,7 @@ def _key_text(key: Any) -> str:
 def name_outputs(expected: Any) -> list[str]:
     """``output['logits']`` -> ``logits``, ``output[0]`` -> ``output_0``, for tensor leaves."""
     names = []
-    for where, leaf in _leaves(expected, "output"):
+    for where, leaf in leaves(expected, "output"):
         if not isinstance(leaf, torch.Tensor):
             continue
         parts = re.findall(r"\[['\"]?([^'\"\]]+)['\"]?\]|\.(\w+)", where[len("output"):])

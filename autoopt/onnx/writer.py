@@ -3,8 +3,7 @@
 ``write_onnx`` tries ``torch.onnx.export(dynamo=True)`` and then the TorchScript exporter, as
 ``exporter=`` allows, keeping their console output at debug level and recording why the dynamo
 exporter was not used; ``weight_bytes`` tells whether the weights need a side file.
-``opset_of``, ``count_nodes`` and ``graph_shapes`` read the written proto for the report;
-``first_line`` turns an exporter's or ONNX Runtime's error into one line for a message.
+``opset_of``, ``count_nodes`` and ``graph_shapes`` read the written proto for the report.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import re
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -24,7 +22,7 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from autoopt.errors import ModelError
+from autoopt.errors import ModelError, first_line
 from autoopt.onnx.attention import with_empty_rows_zeroed
 from autoopt.onnx.signature import dims_of, flat_tensors
 
@@ -122,16 +120,6 @@ def weight_bytes(gm: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def first_line(exc: BaseException, limit: int = 300) -> str:
-    """The first non-empty line of ``exc``, without terminal colour codes, cut at a word."""
-    text = _ANSI.sub("", str(exc)).strip()
-    line = next((line.strip() for line in text.splitlines() if line.strip()), "")
-    if len(line) <= limit:
-        return line
-    return line[:limit].rsplit(" ", 1)[0] + " ..."
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def opset_of(proto: Any) -> int:

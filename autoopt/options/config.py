@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from autoopt.backends import BACKENDS, BACKENDS_VARIABLE, INDUCTOR_OPTIONS
 from autoopt.check.compare import Tolerance
 from autoopt.errors import ConfigError
+from autoopt.options.backends import BACKENDS, BACKENDS_VARIABLE, INDUCTOR_OPTIONS
 from autoopt.options.memory import parse_budget, parse_modes
 from autoopt.passes import PIPELINE, PassFn
 from autoopt.passes.precision import DEFAULT_TOLERANCE, PRECISIONS

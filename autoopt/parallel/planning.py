@@ -16,14 +16,13 @@ from torch.utils import _pytree as pytree
 
 from autoopt.check.compare import compare
 from autoopt.check.state import preserved
-from autoopt.compile.pass_runner import portable
 from autoopt.cost_model import CostModel, GraphCost, NodeCost
 from autoopt.errors import ConfigError, ModelError
 from autoopt.parallel.microbatches import split_microbatches
 from autoopt.parallel.partition import DeviceSpec, Partition, PartitionError, partition
 from autoopt.parallel.pipeline import Pipeline, pipeline_from_graph
 from autoopt.parallel.stages import emit_stages
-from autoopt.passes.graph import written_attributes
+from autoopt.passes.graph import portable, written_attributes
 
 if TYPE_CHECKING:
     from autoopt.module.optimized import OptimizedModule

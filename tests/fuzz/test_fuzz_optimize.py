@@ -22,7 +22,8 @@ from hypothesis import event, given, settings
 from torch import nn
 
 import autoopt
-from autoopt.check.compare import compare, input_sets
+from autoopt.check.compare import compare
+from autoopt.check.inputs import input_sets
 
 # A different seed from the one verification draws its inputs with.
 _FRESH_SEED = 4242
