@@ -20,6 +20,7 @@ from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
 from .cache import CostCache, library_versions
+from .contention import Watch, undecided
 from .device import DeviceInfo, device_info, eviction_bytes
 from .estimate import (
     bound,
@@ -49,6 +50,8 @@ log = logging.getLogger(__name__)
 # candidates that failed when it was made, with why.
 _NOTE = "#"
 _FAILED = "#failed"
+# Why a record's times may not be this machine's own (it was shared while they were taken).
+_SHARED = "#shared"
 
 
 
@@ -125,6 +128,8 @@ class CostModel:
         self.repeats = repeats
         self._info: DeviceInfo | None = None
         self._scratch: torch.Tensor | None = None
+        # Why the last ``fastest`` measurement may not be this machine's own, or "".
+        self.last_sharing = ""
 
     @property
     def info(self) -> DeviceInfo:
@@ -292,7 +297,7 @@ class CostModel:
                 state: Sequence[Any] = (), *, grad: bool = False,
                 budget_s: float | None = None, cache_as: Iterable[str] | None = None,
                 cold: bool = False, setup: Mapping[str, Callable[[], Any]] | None = None,
-                ) -> tuple[str, dict[str, float]]:
+                floor_s: float | None = None) -> tuple[str, dict[str, float]]:
         """Which of several equivalent kernels runs fastest here, and each one's seconds.
 
         ``candidates`` maps a kernel's name to a no-argument callable that runs it on real
@@ -313,9 +318,17 @@ class CostModel:
         the other one. ``setup[name]``, untimed before each run of that candidate, puts back
         what a run changes that the next one reads (inputs it writes: a decode step's cache
         positions, which would otherwise advance run after run past the cache's end).
+
+        Where the rounds do not decide (a candidate's runs disagree widely, the two fastest lie
+        within that disagreement, other processes held the cores this one needed, or a time
+        is below ``floor_s``, the least the work takes at this machine's measured peak) the
+        rounds are run again and all samples count. A second measurement still taken on a
+        shared machine, or still below the floor, says so in ``last_sharing`` and in its
+        record, which ``recorded`` then does not serve: the next ``optimize`` measures again.
         """
         names = list(cache_as) if cache_as is not None else list(candidates)
         stored = self.recorded(what, names)
+        self.last_sharing = ""
         if stored is not None and set(stored) == set(candidates):
             seconds = stored
         else:
@@ -326,26 +339,59 @@ class CostModel:
                     if setup and name in setup:
                         setup[name]()
                     fn()
-                spent = 0.0
-                for round_ in range(repeats):
-                    for name, fn in candidates.items():
-                        evict = functools.partial(self.evict_cache, cold)
-                        reset = (setup or {}).get(name)
-                        samples[name].append(median_seconds(
-                            lambda i, fn=fn: fn(), self.device, warmup=0, repeats=1,
-                            before=evict if reset is None else
-                            lambda evict=evict, reset=reset: (reset(), evict())))
-                    spent += sum(s[-1] for s in samples.values())
-                    if budget_s is not None and spent > budget_s and round_ >= 2:
-                        break
+                for attempt in range(2):
+                    with Watch() as watch:
+                        self._rounds(candidates, samples, repeats, budget_s, cold, setup)
+                    doubt = self._doubt(samples, watch, floor_s)
+                    if attempt == 0 and (doubt or undecided(samples)):
+                        log.info("cost model: measuring %s again: %s", what,
+                                 doubt or undecided(samples))
+                        continue
+                    break
             seconds = {name: statistics.median(s) for name, s in samples.items()}
-            self.cache.put(self._fastest_key(what, names), seconds)
+            entry: dict[str, Any] = dict(seconds)
+            if doubt:  # still, after a second measurement: not this machine's own times
+                self.last_sharing = doubt
+                entry[_SHARED] = doubt
+            self.cache.put(self._fastest_key(what, names), entry)
             if cold:
                 # Twice the last-level cache (64 MiB here): not held for the module's life by
                 # the cost model a re-capture keeps (issue 21: optimize's peak and held memory).
                 self._scratch = None
         best = min(candidates, key=lambda name: (seconds[name], list(candidates).index(name)))
         return best, seconds
+
+    def _rounds(self, candidates: dict[str, Any], samples: dict[str, list[float]],
+                repeats: int, budget_s: float | None, cold: bool,
+                setup: Mapping[str, Callable[[], Any]] | None) -> None:
+        """Interleaved rounds, one run of each candidate per round, appended to ``samples``."""
+        spent = 0.0
+        for round_ in range(repeats):
+            for name, fn in candidates.items():
+                evict = functools.partial(self.evict_cache, cold)
+                reset = (setup or {}).get(name)
+                samples[name].append(median_seconds(
+                    lambda i, fn=fn: fn(), self.device, warmup=0, repeats=1,
+                    before=evict if reset is None else
+                    lambda evict=evict, reset=reset: (reset(), evict())))
+            spent += sum(s[-1] for s in samples.values())
+            if budget_s is not None and spent > budget_s and round_ >= 2:
+                break
+
+    def _doubt(self, samples: dict[str, list[float]], watch: Watch,
+               floor_s: float | None) -> str:
+        """Why the samples may not hold the candidates' times here (the machine was shared,
+        or a time is below the floor), or ""."""
+        if self.device.type == "cpu" and watch.sharing is not None and watch.sharing.shared:
+            return f"the CPU was shared: {watch.sharing.describe()}"
+        if floor_s:
+            low = {n: statistics.median(s) for n, s in samples.items()
+                   if s and statistics.median(s) < floor_s}
+            if low:
+                name, seconds = min(low.items(), key=lambda item: item[1])
+                return (f"{name} measured {seconds * 1e3:.3g} ms, below the "
+                        f"{floor_s * 1e3:.3g} ms its work takes at this machine's peak")
+        return ""
 
     def recorded(self, what: str, names: Iterable[str]) -> dict[str, float] | None:
         """The seconds ``fastest`` measured here for a choice among ``names`` (those of them
@@ -355,6 +401,8 @@ class CostModel:
         negative or infinite time) is ignored with a warning, and the choice measured again."""
         stored = self.cache.get(self._fastest_key(what, names))
         if not stored:
+            return None
+        if _SHARED in stored:  # measured while other processes held the cores: again
             return None
         seconds = [name for name in stored if not name.startswith(_NOTE)]
         if not set(seconds) <= set(names):
@@ -369,13 +417,17 @@ class CostModel:
         return {str(k): str(v) for k, v in failed.items()} if isinstance(failed, dict) else {}
 
     def record(self, what: str, names: Iterable[str], seconds: Mapping[str, float],
-               failed: Mapping[str, str] | None = None) -> None:
+               failed: Mapping[str, str] | None = None, shared: str = "") -> None:
         """Store a choice among ``names`` measured in several sessions (each candidate against
         one yardstick, its seconds put on one scale), for ``recorded`` to find; ``failed``:
-        candidates that could not be built or measured, with why (``recorded_failures``)."""
+        candidates that could not be built or measured, with why (``recorded_failures``);
+        ``shared``: why the times may not be this machine's own (``recorded`` then serves
+        none of it)."""
         entry: dict[str, Any] = {k: float(v) for k, v in seconds.items()}
         if failed:
             entry[_FAILED] = dict(failed)
+        if shared:
+            entry[_SHARED] = shared
         self.cache.put(self._fastest_key(what, names), entry)
 
     def _fastest_key(self, what: str, names: Iterable[str]) -> str:

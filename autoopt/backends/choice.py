@@ -19,6 +19,7 @@ built.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -68,6 +69,7 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
                    timer: Callable[[Callable[..., Any]], Callable[[], Any]],
                    cost_model: CostModel, what: str, required: bool, gradients: bool,
                    state: Sequence[Any] = (), reference: Callable[..., Any] | None = None,
+                   floor_s: Callable[[], float | None] | None = None,
                    ) -> tuple[Callable[..., Any], BackendChoice]:
     """The callable to run ``graph`` with, and the record of the choice.
 
@@ -86,6 +88,9 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
         state: what the timed runs may write, restored after them.
         reference: eager's callable, the yardstick every candidate is timed against (see the
             module's docstring); None: candidates are timed against each other.
+        floor_s: gives the least seconds a call can take at this machine's measured peak
+            (asked only where candidates are timed); a time below it is measured again (see
+            ``CostModel.fastest``).
     """
     skipped = dict(skipped)
     requested = [lowering.name for lowering in lowerings] + list(skipped)
@@ -165,13 +170,13 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
                                           eager_s=eager.get(_EAGER))
 
     eager_s = None
+    measuring = _Measuring(cost_model, state, gradients, floor_s)
     if reference is not None:
         best, seconds, eager_s = _against_eager(lowerings, build, dominated, reference, timer,
-                                                cost_model, what, candidates, skipped, state,
-                                                gradients)
+                                                measuring, what, candidates, skipped)
     else:
-        best, seconds = _against_best(lowerings, build, timer, cost_model, what, candidates,
-                                      skipped, state, gradients)
+        best, seconds = _against_best(lowerings, build, timer, measuring, what, candidates,
+                                      skipped)
     if best is None:
         reasons = "; ".join(f"{name}: {why}" for name, why in skipped.items())
         hint = (f"Pass backends=({requested[0]!r}, 'aten') to fall back when it cannot."
@@ -183,28 +188,48 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
         with memory_profile.stage(f"backend {chosen.name} restore"):
             chosen.restore()
     return best[1], BackendChoice(graph, best[0], seconds, skipped, regions=_regions(chosen),
-                                  eager_s=eager_s)
+                                  eager_s=eager_s, shared=measuring.shared)
 
 
 _EAGER = "eager"
 _Build = Callable[[Lowering], "Callable[..., Any] | None"]
 
 
-def _timings(cost_model: CostModel, what: str, timed: dict[str, Callable[[], Any]],
-             state: Sequence[Any], gradients: bool,
-             cache_as: Sequence[str] | None = None) -> dict[str, float]:
-    """Each timed candidate's median seconds, interleaved rounds."""
-    return cost_model.fastest(
-        what, timed, repeats=_ROUNDS, state=state, grad=gradients, budget_s=_BUDGET_S,
-        cache_as=cache_as,
-        setup={n: fn.reset for n, fn in timed.items() if hasattr(fn, "reset")})[1]
+class _Measuring:
+    """Times candidates through the cost model (interleaved rounds, medians) and keeps why any
+    of its measurements may not be this machine's own: the choice's record and report say so,
+    and the next ``optimize`` measures it again."""
+
+    def __init__(self, cost_model: CostModel, state: Sequence[Any], gradients: bool,
+                 floor_s: Callable[[], float | None] | None) -> None:
+        self.cost_model, self.state, self.gradients = cost_model, state, gradients
+        self._floor = floor_s
+        self.shared = ""
+
+    @functools.cached_property
+    def floor_s(self) -> float | None:
+        return self._floor() if self._floor is not None else None
+
+    def timings(self, what: str, timed: dict[str, Callable[[], Any]],
+                cache_as: Sequence[str] | None = None) -> dict[str, float]:
+        """Each timed candidate's median seconds."""
+        seconds = self.cost_model.fastest(
+            what, timed, repeats=_ROUNDS, state=self.state, grad=self.gradients,
+            budget_s=_BUDGET_S, cache_as=cache_as, floor_s=self.floor_s,
+            setup={n: fn.reset for n, fn in timed.items() if hasattr(fn, "reset")})[1]
+        self.shared = self.shared or self.cost_model.last_sharing
+        return seconds
+
+    def record(self, what: str, requested: Sequence[str], seconds: dict[str, float],
+               failed: dict[str, str]) -> None:
+        self.cost_model.record(what, requested, seconds, failed, shared=self.shared)
 
 
 def _against_eager(lowerings: Sequence[Lowering], build: _Build,
                    dominated: Callable[[Lowering], bool], reference: Callable[..., Any],
                    timer: Callable[[Callable[..., Any]], Callable[[], Any]],
-                   cost_model: CostModel, what: str, requested: Sequence[str],
-                   skipped: dict[str, str], state: Sequence[Any], gradients: bool,
+                   measuring: _Measuring, what: str, requested: Sequence[str],
+                   skipped: dict[str, str],
                    ) -> tuple[tuple[str, Callable[..., Any]] | None, dict[str, float],
                               float | None]:
     """The fastest candidate by its time over eager's, each timed against eager alone, each
@@ -220,8 +245,8 @@ def _against_eager(lowerings: Sequence[Lowering], build: _Build,
             return
         log.info("backend: measuring %s against eager", name)
         try:
-            pair = _timings(cost_model, f"{what}|against eager",
-                            {name: timer(run), _EAGER: yardstick}, state, gradients)
+            pair = measuring.timings(f"{what}|against eager",
+                                     {name: timer(run), _EAGER: yardstick})
         except Exception as exc:  # noqa: BLE001 - a verified candidate that fails when timed
             # It matched eager: it still runs if no other is measured.
             skipped[name] = f"not measured: timing it raised {_failure(exc)}"
@@ -258,16 +283,16 @@ def _against_eager(lowerings: Sequence[Lowering], build: _Build,
     seconds = {name: ratio * eager_s[0] for name, ratio in ratios.items()
                if eager_s and ratio != float("inf")}
     if len(seconds) > 1:
-        cost_model.record(f"{what}|eager", [_EAGER], {_EAGER: eager_s[0]})
-        cost_model.record(what, requested, seconds, _failures(lowerings, seconds, skipped))
+        measuring.record(f"{what}|eager", [_EAGER], {_EAGER: eager_s[0]}, {})
+        measuring.record(what, requested, seconds, _failures(lowerings, seconds, skipped))
     return ((best[0].name, best[1]) if best is not None else None, seconds,
             eager_s[0] if seconds else None)
 
 
 def _against_best(lowerings: Sequence[Lowering], build: _Build,
                   timer: Callable[[Callable[..., Any]], Callable[[], Any]],
-                  cost_model: CostModel, what: str, requested: Sequence[str],
-                  skipped: dict[str, str], state: Sequence[Any], gradients: bool,
+                  measuring: _Measuring, what: str, requested: Sequence[str],
+                  skipped: dict[str, str],
                   ) -> tuple[tuple[str, Callable[..., Any]] | None, dict[str, float]]:
     """The fastest candidate, each timed against the fastest so far (interleaved) and the
     slower one freed before the next is built (Inductor's and ONNX Runtime's copies: +2 GiB on
@@ -286,7 +311,7 @@ def _against_best(lowerings: Sequence[Lowering], build: _Build,
         timed: dict[str, Callable[[], Any]] = {}
         try:
             timed = {best[0]: timer(best[1]), lowering.name: timer(run)}
-            pair = _timings(cost_model, what, timed, state, gradients, cache_as=requested)
+            pair = measuring.timings(what, timed, cache_as=requested)
             winner = lowering.name if replaces(pair[lowering.name], pair[best[0]]) \
                 else best[0]
         except Exception as exc:  # noqa: BLE001 - a verified candidate that fails when timed
@@ -302,7 +327,7 @@ def _against_best(lowerings: Sequence[Lowering], build: _Build,
         del run, timed
         memory_profile.release_free_memory()
     if len(seconds) > 1:  # every pair's times, where the cache holds only the last pair's
-        cost_model.record(what, requested, seconds, _failures(lowerings, seconds, skipped))
+        measuring.record(what, requested, seconds, _failures(lowerings, seconds, skipped))
     return best, seconds
 
 

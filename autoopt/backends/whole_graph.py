@@ -86,7 +86,30 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
         return choose_backend("whole graph", lowerings, skipped, verify=verify, timer=timer,
                               cost_model=cost_model, what=what,
                               required=config.backend is not None, gradients=gradients,
-                              state=[module], reference=module)
+                              state=[module], reference=module,
+                              floor_s=functools.partial(floor_seconds, cost_model, graph.source,
+                                                        config.precision, gradients))
+
+
+def floor_seconds(cost_model: CostModel, source: GraphModule, precision: str | None,
+                  gradients: bool) -> float | None:
+    """The least a call of ``source`` can take at this machine's measured peak: its FLOPs
+    (the forward's; a backward adds about twice as many) at the matmul peak of its precision
+    (fp32's; reduced precisions' at twice the bf16 or fp16 peak, for int8's matrix units),
+    less a fifth for the peak's own measurement error. A time below it was taken while the
+    clock was not the candidate's alone. None where the peak or the FLOPs are not known."""
+    try:
+        ceilings = cost_model.info.ceilings
+        if ceilings is None:
+            return None
+        flops = sum(cost.flops for cost in cost_model.predict(source).nodes)
+    except Exception:  # noqa: BLE001 - a bound the choice can do without
+        return None
+    exact = precision in (None, "fp32") and cost_model.device.type == "cpu"
+    peak = ceilings.matmul_flops if exact else 2 * max(ceilings.matmul_flops,
+                                                       ceilings.half_matmul_flops)
+    flops *= 3 if gradients else 1
+    return 0.8 * flops / peak if flops > 0 and peak > 0 else None
 
 
 class _Rerun:

@@ -48,6 +48,9 @@ class BackendChoice:
             how: autoopt's kernel calls and the regions Inductor generates between them.
         eager_s: the model's own eager call, where the candidates were timed against it
             (a whole graph): ``eager_s / seconds[chosen]`` is the chosen backend's speedup.
+        shared: why the timings may not be this machine's own (other processes held the
+            cores, or a time below what the machine's peak allows, after a second
+            measurement), or "": the choice is measured again at the next ``optimize``.
     """
 
     graph: str
@@ -57,6 +60,7 @@ class BackendChoice:
     cached: bool = False
     regions: str = ""
     eager_s: float | None = None
+    shared: str = ""
 
     def describe(self) -> str:
         """The choice (and the regions) on a first line, then indented lines for the timings,
@@ -72,6 +76,9 @@ class BackendChoice:
                  + (f" ({self.regions})" if self.regions else "")]
         if timed:
             lines.append(f"  measured{' earlier' if self.cached else ''}: {timed}")
+        if self.shared:
+            lines.append(f"  measured on a shared machine ({self.shared}); measured again at "
+                         "the next optimize")
         fastest = min(self.seconds, key=self.seconds.__getitem__, default=self.chosen)
         if self.chosen in self.seconds and self.seconds[fastest] < self.seconds[self.chosen]:
             gain = 1.0 - self.seconds[fastest] / self.seconds[self.chosen]
