@@ -62,6 +62,31 @@ def _aten_backend_by_default() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _measurements_on_a_quiet_machine() -> Iterator[None]:
+    """Choices are measured as on a quiet machine: a choice measured while other processes
+    held the cores is marked and measured again at every later optimize, so tests of what a
+    later optimize reads from the cache would depend on the machine's load (CI's runners and
+    a developer's laptop are often shared). tests/test_contention.py and
+    tests/test_size_reuse.py simulate the load they test; ``AUTOOPT_TEST_REAL_LOAD=1`` reads
+    the machine's own."""
+    if os.environ.get("AUTOOPT_TEST_REAL_LOAD") == "1":
+        yield
+        return
+    from autoopt.cost_model import model as model_module
+    from autoopt.cost_model.contention import Sharing, Watch
+
+    class Quiet(Watch):
+        def __exit__(self, *exc: object) -> None:
+            self.sharing = Sharing(cores=os.cpu_count() or 1, others=0.0,
+                                   threads=torch.get_num_threads())
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(model_module, "Watch", Quiet)
+    yield
+    mp.undo()
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _private_cost_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Tests measure into their own cost cache, never the user's ~/.cache/autoopt."""
     mp = pytest.MonkeyPatch()

@@ -229,16 +229,16 @@ def test_cuda_events_and_nvml_facts(tmp_path: Path) -> None:
 
 def test_out_of_memory_while_timing_a_node_warns_and_estimates(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from autoopt.cost_model import model as model_lib
+    from autoopt.cost_model import profiler as profiler_lib
 
-    real_time = model_lib._NodeProfiler._time
+    real_time = profiler_lib.NodeProfiler._time
 
     def oom_on_matmuls(self: object, n: torch.fx.Node, args: tuple, kwargs: dict) -> float:
         if "linear" in str(n.target):
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real_time(self, n, args, kwargs)
 
-    monkeypatch.setattr(model_lib._NodeProfiler, "_time", oom_on_matmuls)
+    monkeypatch.setattr(profiler_lib.NodeProfiler, "_time", oom_on_matmuls)
     mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
     x = torch.randn(4, 8)
     with torch.no_grad():

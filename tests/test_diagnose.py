@@ -449,7 +449,7 @@ def test_a_diagnosis_after_apply_suggests_nothing_already_applied(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The diagnosis after ``apply()`` suggested precision='bf16' and fusion though the module
     it ran had both: a remedy the optimized module has is not suggested again, it is named."""
-    from autoopt.diagnose import diagnosis as diagnosis_module
+    from autoopt.diagnose import attribution as diagnosis_module
     from autoopt.diagnose.findings import Finding
 
     speeds = {torch.float32: 1e11, torch.bfloat16: 2e11}  # bf16 worth trying on any CPU

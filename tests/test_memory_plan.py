@@ -250,7 +250,7 @@ def test_a_plan_that_changes_the_function_is_an_error_not_a_silent_fallback(
     import autoopt.compile.specialize as specialize
     from autoopt.passes.graph import copy_graph_module
 
-    real = specialize.memory_lib.apply_memory_budget
+    real = specialize.budget_lib.apply_memory_budget
 
     def broken(gm, ctx, budget, modes=None):  # type: ignore[no-untyped-def]
         planned, plan = real(gm, ctx, budget, modes)
@@ -264,7 +264,7 @@ def test_a_plan_that_changes_the_function_is_an_error_not_a_silent_fallback(
         planned.recompile()
         return planned, plan
 
-    monkeypatch.setattr(specialize.memory_lib, "apply_memory_budget", broken)
+    monkeypatch.setattr(specialize.budget_lib, "apply_memory_budget", broken)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).train()
     with pytest.raises(autoopt.ConfigError, match="memory plan changes what the model computes"):
         autoopt.optimize(model, (torch.randn(4, 8),), memory_budget="1MiB")
