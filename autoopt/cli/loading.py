@@ -26,20 +26,9 @@ def load_model(spec: str) -> nn.Module:
     A factory or class is called with no arguments; a module instance is used as it is.
     """
     if spec.endswith(".pt2"):
-        path = Path(spec)
-        if not path.is_file():
-            raise ModelSpecError(f"MODEL {spec!r}: no such .pt2 file")
-        try:
-            module = torch.export.load(str(path)).module()
-        except Exception as exc:
-            raise ModelSpecError(f"MODEL {spec!r} is not a readable torch.export program: "
-                                 f"{type(exc).__name__}: {exc}") from exc
-        # torch.export makes train() and eval() raise, since they cannot change a program
-        # whose mode is baked into its ops. The commands call them to choose how to capture;
-        # with nn.Module's own methods they set the flags and the graph stays as exported.
-        for method in ("train", "eval"):
-            vars(module).pop(method, None)
-        return module
+        from autoopt.capture.program import load_program
+
+        return load_program(Path(spec), f"MODEL {spec!r}")
     if ":" not in spec:
         raise ModelSpecError(f"MODEL {spec!r} must be 'package.module:factory', "
                              "'path/to/file.py:Name' or a .pt2 file")
