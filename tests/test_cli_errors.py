@@ -66,3 +66,29 @@ def test_an_unreadable_pt2_file_is_one_line_with_its_cause(
     assert lines[0].startswith(f"autoopt: error: MODEL '{bad}' is not a readable torch.export "
                                "program: ")
     assert re.search(cause, lines[0]), lines[0]
+
+
+def test_a_misspelt_model_name_offers_the_close_ones(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["optimize", "torchvision.models:resnet181", "--input", "1x3x8x8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autoopt: error: MODEL 'torchvision.models:resnet181': "
+                          "'torchvision.models' has no attribute 'resnet181'; did you mean "
+                          "'resnet18'"), err
+    assert "'resnet'" not in err  # a submodule is no model
+
+
+def test_a_failed_command_is_not_done(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Piped, ``autoopt optimize torchvision.models:resnet181`` wrote ``done in 6.0 s`` and
+    then its error."""
+    from autoopt.observe import progress
+
+    monkeypatch.setattr(progress, "FIRST_S", 0.1)
+    source = tmp_path / "slow_model.py"  # loading takes a second, then finds no Net
+    source.write_text("import time\ntime.sleep(1.0)\n")
+    assert main(["optimize", f"{source}:Net", "--input", "2x3"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("autoopt optimize: "), lines  # progress was shown
+    assert not any("done" in line for line in lines), lines
+    assert lines[-1].startswith("autoopt: error: MODEL"), lines

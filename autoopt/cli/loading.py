@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import re
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +65,9 @@ def load_model(spec: str) -> nn.Module:
                                  f"python to see the traceback)") from exc
     target = getattr(source, name, None)
     if target is None:
-        raise ModelSpecError(f"MODEL {spec!r}: {where!r} has no attribute {name!r}")
+        close = _close_names(source, name)
+        raise ModelSpecError(f"MODEL {spec!r}: {where!r} has no attribute {name!r}"
+                             + (f"; did you mean {_either(close)}?" if close else ""))
     if isinstance(target, nn.Module):
         return target
     if not callable(target):
@@ -77,6 +81,20 @@ def load_model(spec: str) -> nn.Module:
         raise ModelSpecError(f"MODEL {spec!r}: {name}() returned {type(model).__name__}, "
                              "not an nn.Module")
     return model
+
+
+def _close_names(source: Any, name: str) -> list[str]:
+    """Names in ``source`` close to ``name`` (a typo's), of what MODEL can name: a class, a
+    factory or a module instance, not a submodule (``torchvision.models.resnet``)."""
+    public = [n for n in dir(source) if not n.startswith("_")]
+    close = difflib.get_close_matches(name, public, n=6)
+    return [n for n in close if isinstance(value := getattr(source, n, None), nn.Module)
+            or (callable(value) and not isinstance(value, types.ModuleType))][:3]
+
+
+def _either(names: list[str]) -> str:
+    quoted = [repr(n) for n in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
 def parse_input(text: str, default_dtype: str = "float32", int_high: int = 100,
