@@ -1,6 +1,7 @@
 """The README's command-line examples, run as written, then the saved program loaded back.
 
-Run from this folder (``my_model.py`` is here): ``python cli.py``.
+Run from anywhere (``python examples/cli.py``): the commands run from the clone's root, where
+the README's user types them.
 """
 
 import os
@@ -11,11 +12,11 @@ import torch
 
 from autoopt.cli import main as autoopt_command  # the `autoopt` program, in this process
 
-os.chdir(Path(__file__).resolve().parent)  # where my_model.py is; net.pt2 is written here
+os.chdir(Path(__file__).resolve().parent.parent)  # the clone's root; net.pt2 is written here
 COMMANDS = """
 autoopt optimize torchvision.models:resnet18 --input 1x3x224x224
-autoopt optimize my_model.py:Net --input input_ids=2x128:int64 --dynamic batch --save net.pt2
-"""
+autoopt optimize examples/my_model.py:Net --input input_ids=2x128:int64 --dynamic batch --save net.pt2
+"""  # noqa: E501 - each command as the README writes it, on one line
 for command in COMMANDS.strip().splitlines():
     print(f"$ {command}", flush=True)
     assert autoopt_command(shlex.split(command)[1:]) == 0, command  # as the shell runs it

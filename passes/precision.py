@@ -56,6 +56,7 @@ from .precision_int8 import (
     kernels_for,
     slower,
     slower_than_fp32,
+    why_no_candidate,
 )
 from .precision_policy import AUTOCAST_LOW, FP32_BY_PRACTICE, training_choice
 from .weight_only import TIE, Agreement, agreement, logits_outputs
@@ -349,6 +350,8 @@ def _int8(gm: GraphModule, ctx: PassContext, tolerance: float,
                                                     and int8_engine() is None):
         return PassResult(gm, False)
     candidates = int8_candidates(gm, precision, ctx.options)
+    if not candidates:
+        return PassResult(gm, False, note=why_no_candidate(gm, precision, ctx.options))
     slow = slower_than_fp32(gm, ctx, candidates)
     nodes = [n for n in candidates if n.name not in slow]
     if not nodes:
@@ -356,7 +359,7 @@ def _int8(gm: GraphModule, ctx: PassContext, tolerance: float,
         return PassResult(gm, False, note=(
             f"{precision} measured slower than fp32 on each of the {len(slow)} linear(s) (the "
             f"first: {first}); pass_options={{'precision': {{'force': True}}}} quantizes "
-            f"anyway") if slow else "")
+            f"anyway, or drop precision=") if slow else "")
     # Unmeasured: the precision's first kernel that fits (the kernel option's, if given).
     unmeasured = {n.name: next(k for k in KERNELS[precision] if k in
                                kernels_for(gm, n, precision, ctx.options)) for n in nodes}
@@ -390,7 +393,9 @@ def _int8(gm: GraphModule, ctx: PassContext, tolerance: float,
         agreed = agreement(measure.references[0], measure._run(run(low), measure.sets[0]),
                            logits) if low and logits else None
     if not low:
-        return PassResult(gm, False)
+        return PassResult(gm, False, note=(
+            f"each linear in {precision} errs past the tolerance {tolerance:g}: pass a larger "
+            f"tolerance=, or drop precision="))
     required = float(ctx.options.get("min_agreement", MIN_AGREEMENT[precision]))
     if agreed is not None and agreed.positions >= MIN_POSITIONS \
             and agreed.decided < required:

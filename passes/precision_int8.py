@@ -121,6 +121,58 @@ def int8_candidates(gm: GraphModule, precision: str = "int8",
     return found
 
 
+def why_no_candidate(gm: GraphModule, precision: str, options: Any) -> str:
+    """Why ``int8_candidates`` found no linear: the reason that applied, and what to do
+    instead (ending in "drop precision=": the refusal adds no other hint)."""
+    linears = [n for n in gm.graph.nodes if is_linear(n)]
+    stored = [n for n in linears if isinstance(_operands(n)[1], Node)
+              and isinstance(w := attr(gm, _operands(n)[1]), torch.Tensor) and w.dim() == 2]
+    # int8 and int4 quantize linears only: where convolutions hold most of the work, say so
+    # (bf16 casts convolutions too).
+    convs = _macs(gm, ops.CONV.aten)
+    conv_heavy = convs >= _macs(gm, ops.LINEAR.aten | {aten.addmm.default})
+    only = "int4 is weight-only for linear layers" if precision == "int4" else \
+        "int8 quantizes linear layers only"
+    heavy = f"{only}, and this model's multiply-adds are mostly in convolutions"
+    instead = "precision='bf16', " if conv_heavy and convs else ""
+    if not linears:
+        return (f"{only}, and this model has none"
+                + (": its multiply-adds are in convolutions" if convs else "")
+                + ". Use precision='bf16', or drop precision=")
+    tail = f"; {heavy}" if conv_heavy and convs else ""
+    wanted = options.get("kernel")
+    unfit = [n for n in stored if not kernels_for(gm, n, precision, options)]
+    if stored and len(unfit) == len(stored):
+        kernel = wanted or KERNELS[precision][-1]
+        shapes = sorted({tuple(_weight_of(gm, n).shape) for n in unfit})
+        other = ("leave the kernel option out (the dynamic int8 kernel takes any width)"
+                 if wanted else "use precision='int8' (any width)")
+        return (f"no linear layer fits the {kernel} kernel, which needs "
+                f"{weight_only.widths_needed(kernel, group_size(options))}: this model's "
+                f"(out, in) are {', '.join(map(str, shapes[:4]))}"
+                + (f" and {len(shapes) - 4} more" if len(shapes) > 4 else "")
+                + f"{tail}. {other[0].upper()}{other[1:]}, {instead}or drop precision=")
+    return (f"no linear layer has an fp32 weight stored in the model and an fp32 input, which "
+            f"the {precision} kernels take{tail}. Use {instead or 'fp32 weights, '}or drop "
+            f"precision=")
+
+
+def _macs(gm: GraphModule, targets: Any) -> int:
+    """Multiply-adds of the nodes calling ``targets``: output elements times the weight's
+    elements per output channel (a convolution's and a linear's alike)."""
+    total = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in targets:
+            continue
+        operands = _operands(node)
+        transposed = bool(operands and operands[3])  # addmm's weight is (in, out)
+        out, weight = meta_val(node), meta_val(node.args[2 if transposed else 1])
+        if isinstance(out, torch.Tensor) and isinstance(weight, torch.Tensor) \
+                and weight.dim() >= 2:
+            total += out.numel() * (weight.numel() // weight.shape[1 if transposed else 0])
+    return int(total)
+
+
 def apply_int8(gm: GraphModule, names: Iterable[str] | Mapping[str, str],
                packed: dict[Any, Any], group: int = weight_only.DEFAULT_GROUP) -> int:
     """Replace the linear nodes named in ``names`` by quantized linears, in place.

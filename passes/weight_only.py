@@ -75,6 +75,14 @@ def int4_fits(weight: torch.Tensor, group: int) -> bool:
             and weight.shape[1] % group == 0)
 
 
+def widths_needed(kernel: str, group: int = DEFAULT_GROUP) -> str:
+    """What a linear's widths must be for ``kernel`` (``int8_weight`` or ``int4``), in words."""
+    if kernel == "int4":
+        return (f"an output width that is a multiple of {_INT4_OUT_MULTIPLE} and an input "
+                f"width that is a multiple of the group size {group}")
+    return f"an input width that is a multiple of {_INT8_IN_MULTIPLE}"
+
+
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     """Symmetric per-output-channel int8 of an fp32 ``(out, in)`` weight."""
     w = weight.detach().float()

@@ -151,6 +151,17 @@ def test_every_autoopt_command_is_run_by_an_example(page: str, command: str) -> 
                      f"autoopt.cli.main or a subprocess, or list it in RECORDS with why not)")
 
 
+def test_the_readme_s_commands_name_files_from_the_clone_s_root() -> None:
+    """The README's ``autoopt optimize my_model.py:Net`` failed where its reader types it, at
+    the clone's root: the file is examples/my_model.py. Every ``FILE.py:NAME`` of its
+    commands is a file there (examples/cli.py runs them from the root)."""
+    for page, command in _autoopt_commands():
+        if page != "README.md":
+            continue
+        for path in re.findall(r"(\S+\.py):\w+", command):
+            assert (ROOT / path).is_file(), f"README.md: `{command}`: no {path} at the root"
+
+
 def test_every_named_example_exists() -> None:
     for page, block in _blocks("bash"):
         for command in _commands(block):

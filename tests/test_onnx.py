@@ -122,6 +122,38 @@ def test_torchscript_exporter_on_request(tmp_path: Path) -> None:
     assert report.inputs["ids"][0] == "batch" and report.dynamic_verification.ok
 
 
+class _Pool(nn.Module):
+    """A convolution and a spatial mean: ONNX's ReduceMean took its axes as an input in 18."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x).mean((2, 3), keepdim=True)
+
+
+def test_the_dynamo_exporter_refuses_an_opset_it_cannot_write(tmp_path: Path) -> None:
+    """Torch converts its opset-18 graph down, fails on ReduceMean, keeps 18 and only logs."""
+    path = tmp_path / "pool.onnx"
+    with pytest.raises(autoopt.ConfigError, match=r"opset 17.*ReduceMean"):
+        autoopt.export_onnx(_Pool().eval(), (torch.randn(2, 3, 8, 8),), path, opset=17,
+                            exporter="dynamo")
+    assert not path.exists()
+
+
+@pytest.mark.slow
+def test_the_opset_asked_for_is_the_opset_written(tmp_path: Path) -> None:
+    """The issue's reproduction: the TorchScript exporter writes the opset the dynamo one
+    could not."""
+    model, (x,), _ = mobilenet_v3_small()
+    path = tmp_path / "mobilenet.onnx"
+    report = autoopt.export_onnx(model, (x,), path, opset=17, random_inputs=1)
+    assert onnx.load(str(path)).opset_import[0].version == report.opset == 17
+    assert report.exporter == "torchscript" and "ReduceMean" in report.fallback_reason
+    assert report.verification.ok and report.max_abs_error < 1e-4
+
+
 def test_session_callable_by_position_name_and_io_binding(tmp_path: Path) -> None:
     ids, weight = _scorer_inputs()
     model = Scorer().eval()

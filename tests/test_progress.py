@@ -109,3 +109,16 @@ def test_diagnosis_apply_says_what_it_does(quick: None, capfd: pytest.CaptureFix
     # What it was doing when a line came (on a fast machine, only the first stage lasts one).
     assert all(any(word in line for word in ("timed steps", "optimize", "warm-up", "steps"))
                for line in lines[:-1]), lines
+
+
+def test_a_call_that_raises_is_not_done(quick: None, capfd: pytest.CaptureFixture[str]) -> None:
+    class _Fails(_Slow):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.5)
+            raise ValueError("no")
+
+    with pytest.raises(Exception, match="no"):
+        autoopt.optimize(_Fails().eval(), (torch.randn(2, 4),), backends=("aten",))
+    lines = [line for line in capfd.readouterr().err.splitlines()
+             if line.startswith("autoopt optimize: ")]
+    assert lines and not any("done in" in line for line in lines), lines

@@ -4,6 +4,7 @@ choice by measurement, next-token agreement and its refusal, and the settings re
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -291,3 +292,56 @@ def test_bad_quantization_options_are_config_errors() -> None:
         cfg = OptimizeConfig(precision="int8", pass_options={"precision": options})
         with pytest.raises(ConfigError, match=match):
             check_target(cfg, torch.device("cpu"), False)
+
+
+_FORCE = {"precision": {"force": True}}
+
+
+def _cnn() -> torch.nn.Module:  # its one linear: 10 outputs, not a multiple of 16
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(),
+                               torch.nn.Conv2d(16, 16, 3), torch.nn.Flatten(),
+                               torch.nn.Linear(16 * 12 * 12, 10))
+
+
+@pytest.mark.parametrize(("model", "x", "precision", "options", "says"), [
+    (_cnn, (2, 3, 16, 16), "int4", _FORCE,
+     r"no linear layer fits the int4 kernel, which needs an output width that is a multiple of "
+     r"16 and an input width that is a multiple of the group size 32: this model's \(out, in\) "
+     r"are \(10, 2304\); int4 is weight-only for linear layers, and this model's multiply-adds "
+     r"are mostly in convolutions\. Use precision='int8' \(any width\), precision='bf16', or "
+     r"drop precision=\.$"),
+    (lambda: torch.nn.Sequential(torch.nn.Linear(30, 50), torch.nn.ReLU(),
+                                 torch.nn.Linear(50, 10)), (4, 30), "int4", {},
+     r"no linear layer fits the int4 kernel, .*: this model's \(out, in\) are \(10, 50\), "
+     r"\(50, 30\)\. Use precision='int8' \(any width\), or drop precision=\.$"),
+    (lambda: torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU()), (2, 3, 16, 16),
+     "int8", _FORCE, r"int8 quantizes linear layers only, and this model has none: its "
+                     r"multiply-adds are in convolutions\. Use precision='bf16', or drop "
+                     r"precision=\.$"),
+    (lambda: torch.nn.Sequential(torch.nn.Linear(40, 32)), (4, 40), "int8",
+     {"precision": {"kernel": "int8_weight"}},
+     r"no linear layer fits the int8_weight kernel, which needs an input width that is a "
+     r"multiple of 16: this model's \(out, in\) are \(32, 40\)\. Leave the kernel option out"),
+], ids=["int4-cnn-forced", "int4-widths", "int8-no-linear", "int8-weight-widths"])
+def test_a_refusal_says_the_one_reason_that_applied(model: Any, x: tuple[int, ...],
+                                                    precision: str, options: dict[str, Any],
+                                                    says: str) -> None:
+    """The refusal listed every reason a precision can fail for (the tolerance, the training
+    step, the measurement) and offered force=True to a caller who had passed it."""
+    with pytest.raises(ConfigError) as raised:
+        autoopt.optimize(model().eval(), (torch.randn(*x),), precision=precision,
+                         pass_options=options)
+    message = str(raised.value)
+    assert message.startswith(f"precision='{precision}' cannot apply to this model: ")
+    assert re.search(says, message), message
+    assert "tolerance" not in message and "'force'" not in message, message
+
+
+def test_a_tolerance_no_linear_meets_is_the_reason_given() -> None:
+    with pytest.raises(ConfigError) as raised:
+        autoopt.optimize(torch.nn.Sequential(torch.nn.Linear(64, 32)).eval(),
+                         (torch.randn(4, 64),), precision="int4", tolerance=1e-9,
+                         pass_options=_FORCE)
+    assert str(raised.value) == ("precision='int4' cannot apply to this model: each linear in "
+                                 "int4 errs past the tolerance 1e-09: pass a larger tolerance=, "
+                                 "or drop precision=.")

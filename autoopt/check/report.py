@@ -7,7 +7,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from autoopt.check.compare import VerifyResult
-from autoopt.observe.progress import clip
 from autoopt.passes.precision import PrecisionSummary
 from autoopt.planning.memory_plan import MemoryPlan
 
@@ -64,9 +63,8 @@ class BackendChoice:
 
     def describe(self) -> str:
         """The choice (and the regions) on a first line, then indented lines for the timings,
-        wrapped at ``_WIDTH`` characters, and one for each candidate not used, cut there (a
-        candidate's whole error, which made this one line of 400 characters, stays in
-        ``skipped``)."""
+        and for each candidate not used with its reason, all wrapped at ``_WIDTH`` characters
+        (each reason whole: one cut at the width read as if it ended there)."""
         # Each "name 1.2 ms" is one word (_GLUE for its spaces) so that wrapping keeps it whole.
         timed = ", ".join(f"{n}{_GLUE}{s * 1e3:.3g}{_GLUE}ms" for n, s in
                           sorted(self.seconds.items(), key=lambda item: item[1]))
@@ -86,8 +84,10 @@ class BackendChoice:
                          f"{fastest} measured only {gain:.1%} faster")
         wrapped = [part.replace(_GLUE, " ") for line in lines
                    for part in textwrap.wrap(line, _WIDTH, subsequent_indent="    ")]
-        for name, why in self.skipped.items():  # an error's first line, cut: the gist
-            wrapped.append(clip(f"  not {name}: {why.strip().split(chr(10), 1)[0]}", _WIDTH))
+        for name, why in self.skipped.items():  # a reason over lines is one paragraph here
+            wrapped += textwrap.wrap(f"  not {name}: {' '.join(why.split())}", _WIDTH,
+                                     subsequent_indent="      ", break_long_words=False,
+                                     break_on_hyphens=False)
         return "\n".join(wrapped)
 
 

@@ -77,10 +77,10 @@ def _exit(code: int) -> None:
 
 def _run(argv: Sequence[str] | None) -> int:
     args = parser().parse_args(argv)
-    with shown(args.command, args.verbose, status_line=args.command not in _OWN_PROGRESS):
-        try:
+    try:  # an error leaves the block: its progress ends without "done"
+        with shown(args.command, args.verbose, status_line=args.command not in _OWN_PROGRESS):
             return COMMANDS[args.command].run(args)
-        except AutoOptError as exc:
-            error = exc
+    except AutoOptError as exc:
+        error = exc
     print(f"autoopt: error: {error}", file=sys.stderr)  # after the status line is erased
     return 2

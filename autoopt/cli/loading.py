@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import re
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +28,9 @@ def load_model(spec: str) -> nn.Module:
     A factory or class is called with no arguments; a module instance is used as it is.
     """
     if spec.endswith(".pt2"):
-        path = Path(spec)
-        if not path.is_file():
-            raise ModelSpecError(f"MODEL {spec!r}: no such .pt2 file")
-        try:
-            module = torch.export.load(str(path)).module()
-        except Exception as exc:
-            raise ModelSpecError(f"MODEL {spec!r} is not a readable torch.export program: "
-                                 f"{type(exc).__name__}: {exc}") from exc
-        # torch.export makes train() and eval() raise, since they cannot change a program
-        # whose mode is baked into its ops. The commands call them to choose how to capture;
-        # with nn.Module's own methods they set the flags and the graph stays as exported.
-        for method in ("train", "eval"):
-            vars(module).pop(method, None)
-        return module
+        from autoopt.capture.program import load_program
+
+        return load_program(Path(spec), f"MODEL {spec!r}")
     if ":" not in spec:
         raise ModelSpecError(f"MODEL {spec!r} must be 'package.module:factory', "
                              "'path/to/file.py:Name' or a .pt2 file")
@@ -74,7 +65,9 @@ def load_model(spec: str) -> nn.Module:
                                  f"python to see the traceback)") from exc
     target = getattr(source, name, None)
     if target is None:
-        raise ModelSpecError(f"MODEL {spec!r}: {where!r} has no attribute {name!r}")
+        close = _close_names(source, name)
+        raise ModelSpecError(f"MODEL {spec!r}: {where!r} has no attribute {name!r}"
+                             + (f"; did you mean {_either(close)}?" if close else ""))
     if isinstance(target, nn.Module):
         return target
     if not callable(target):
@@ -88,6 +81,20 @@ def load_model(spec: str) -> nn.Module:
         raise ModelSpecError(f"MODEL {spec!r}: {name}() returned {type(model).__name__}, "
                              "not an nn.Module")
     return model
+
+
+def _close_names(source: Any, name: str) -> list[str]:
+    """Names in ``source`` close to ``name`` (a typo's), of what MODEL can name: a class, a
+    factory or a module instance, not a submodule (``torchvision.models.resnet``)."""
+    public = [n for n in dir(source) if not n.startswith("_")]
+    close = difflib.get_close_matches(name, public, n=6)
+    return [n for n in close if isinstance(value := getattr(source, n, None), nn.Module)
+            or (callable(value) and not isinstance(value, types.ModuleType))][:3]
+
+
+def _either(names: list[str]) -> str:
+    quoted = [repr(n) for n in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
 def parse_input(text: str, default_dtype: str = "float32", int_high: int = 100,

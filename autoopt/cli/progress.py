@@ -72,14 +72,19 @@ def shown(command: str, verbose: bool, status_line: bool = True) -> Iterator[Non
     for each in handlers:
         _LIBRARY.addHandler(each)
     _LIBRARY.setLevel(logging.INFO if ticker is not None else level)
+    finished = False
     try:
         yield
+        finished = True
     finally:
         for each in handlers:
             _LIBRARY.removeHandler(each)
         _LIBRARY.setLevel(previous)
         for each in handlers:
-            each.close()
+            if isinstance(each, Ticker):
+                each.close(finished)  # "done" only where the command finished
+            else:
+                each.close()
         _status = None
 
 

@@ -50,14 +50,16 @@ def reported(what: str) -> Iterator[None]:
     if started is None:
         yield
         return
+    finished = False
     try:
         yield
+        finished = True
     finally:
         with _lock:
             _depth -= 1
             if _depth == 0:
                 _active = None
-                started.close()
+                started.close(finished)
 
 
 def reporting(what: str) -> Callable[[F], F]:
@@ -91,7 +93,8 @@ class Ticker(logging.Handler):
     """Keeps the latest INFO record's first line and, from another thread, writes
     ``autoopt WHAT: 12 s: <that line>`` on ``stream`` once the work has run ``FIRST_S``
     seconds, then whenever the record changed and ``FIRST_S`` passed, or ``EVERY_S`` did;
-    ``done in N s`` at the end where it wrote any. Nothing for work that ends sooner.
+    ``done in N s`` at the end where it wrote any and the work finished (a failure's error
+    follows instead: nothing was done). Nothing for work that ends sooner.
 
     The command line attaches one when stderr is piped (a CI log, ``| tee``), where no
     status line can be drawn; ``reported`` attaches ``_Progress``, one that takes the
@@ -119,10 +122,11 @@ class Ticker(logging.Handler):
             return
         self.latest = first
 
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
+        """Stop the lines; ``finished``: the work completed (else it raised)."""
         self.stopped.set()
         self.ticker.join(timeout=1)
-        if self.lines:
+        if self.lines and finished:
             self._write(f"done in {time.perf_counter() - self.start:.1f} s")
         super().close()
 
@@ -167,11 +171,11 @@ class _Progress(Ticker):
             return
         super().emit(record)
 
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
         _LIBRARY.removeHandler(self)
         _LIBRARY.setLevel(self.previous[0])
         _LIBRARY.propagate = self.previous[1]
-        super().close()
+        super().close(finished)
 
 
 def clip(text: str, width: int) -> str:

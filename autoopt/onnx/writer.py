@@ -2,7 +2,9 @@
 
 ``write_onnx`` tries ``torch.onnx.export(dynamo=True)`` and then the TorchScript exporter, as
 ``exporter=`` allows, keeping their console output at debug level and recording why the dynamo
-exporter was not used; ``weight_bytes`` tells whether the weights need a side file.
+exporter was not used. A file at another opset than the one asked for is not written: the dynamo
+exporter writes opset 18 and converts it down, and when that conversion fails torch keeps 18 and
+only logs it. ``weight_bytes`` tells whether the weights need a side file.
 ``opset_of``, ``count_nodes`` and ``graph_shapes`` read the written proto for the report.
 """
 
@@ -22,7 +24,7 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from autoopt.errors import ModelError, first_line
+from autoopt.errors import ConfigError, ModelError, first_line
 from autoopt.onnx.attention import with_empty_rows_zeroed
 from autoopt.onnx.signature import dims_of, flat_tensors
 
@@ -46,10 +48,20 @@ def write_onnx(gm: GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any], p
                                   input_names=input_names, output_names=output_names,
                                   opset_version=opset, dynamic_shapes=shapes,
                                   external_data=external, verbose=False)
-            return "dynamo", ""
         except Exception as exc:  # noqa: BLE001 - recorded; the TorchScript exporter may work
             log.info("the dynamo ONNX exporter failed: %s", exc)
             reasons.append(f"dynamo: {type(exc).__name__}: {first_line(exc)}")
+        else:
+            wrong = _wrong_opset(path, opset)
+            if not wrong:
+                return "dynamo", ""
+            log.info("the dynamo ONNX exporter %s", wrong)
+            if exporter == "dynamo":
+                path.unlink(missing_ok=True)
+                raise ConfigError(f"exporter='dynamo' cannot write opset {opset} for this "
+                                  f"model: it {wrong}. Pass exporter='auto' (the TorchScript "
+                                  f"exporter writes opset {opset}) or a newer opset.")
+            reasons.append(f"dynamo: {wrong}")
     if exporter in ("auto", "torchscript"):
         flat = flat_tensors(args, kwargs, input_names)
         axes = {name: dims_of(t, dims) for name, t in flat.items() if dims_of(t, dims)}
@@ -59,6 +71,9 @@ def write_onnx(gm: GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any], p
                                   str(path), dynamo=False,
                                   input_names=input_names, output_names=output_names,
                                   opset_version=opset, dynamic_axes=axes or None)
+            wrong = _wrong_opset(path, opset)
+            if wrong:
+                raise ModelError(f"it {wrong}")
             return "torchscript", reasons[0] if reasons else "exporter='torchscript'"
         except Exception as exc:  # noqa: BLE001 - both reasons go into one error below
             log.info("the TorchScript ONNX exporter failed: %s", exc)
@@ -66,6 +81,38 @@ def write_onnx(gm: GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any], p
     raise ModelError("no ONNX exporter could export the optimized graph (an op without an ONNX "
                      "translation is the usual cause; the message names it): "
                      + " | ".join(reasons))
+
+
+def _wrong_opset(path: Path, opset: int | None) -> str:
+    """Why the file at ``path`` is not at ``opset`` (empty when it is, or when none was asked).
+
+    Torch's dynamo exporter translates at opset 18 and converts the model down; when the
+    conversion fails it keeps 18 and only logs a warning, so the file itself is read. The ops
+    whose definition changed after ``opset`` are the ones the conversion had to rewrite: the
+    error names them (``ReduceMean``, whose axes became an input in opset 18)."""
+    if opset is None:
+        return ""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    written = opset_of(proto)
+    if written == opset:
+        return ""
+    nodes = [*proto.graph.node, *(n for f in proto.functions for n in f.node)]
+    types = {n.op_type for n in nodes if n.domain in ("", "ai.onnx")}
+    changed = sorted(t for t in types if _since_version(t, written) > opset)
+    return (f"wrote opset {written}, not {opset}: torch could not convert the model down"
+            + (f" ({', '.join(changed)} changed after opset {opset})" if changed else ""))
+
+
+def _since_version(op_type: str, opset: int) -> int:
+    """The opset in which ``op_type``'s definition at ``opset`` appeared (0 if unknown)."""
+    import onnx
+
+    try:
+        return onnx.defs.get_schema(op_type, opset).since_version
+    except onnx.defs.SchemaError:
+        return 0
 
 
 class _Positional(nn.Module):

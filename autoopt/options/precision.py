@@ -164,8 +164,12 @@ def check_applied(cfg: OptimizeConfig, report: Report) -> None:
                   f"training step with its casts, measured faster than fp32 (training)")
     if "next-token agreement" in reason:  # the reason says what to pass instead
         raise ConfigError(f"precision='{cfg.precision}' refused for this model: {reason}.")
-    # The pass's own reason may give the force hint already (int8 measured slower): once.
-    force = ("" if "'force'" in reason else
+    if "drop precision=" in reason:  # the one reason that applied, with what to do: no other
+        raise ConfigError(f"precision='{cfg.precision}' cannot apply to this model: {reason}.")
+    # The pass's own reason may give the force hint already (int8 measured slower): once; and
+    # none to a caller who passed it.
+    forced = bool(cfg.pass_options.get("precision", {}).get("force", False))
+    force = ("" if "'force'" in reason or forced else
              ", or pass_options={'precision': {'force': True}} to cast where it measures "
              "slower")
     raise ConfigError(f"precision='{cfg.precision}' cannot apply to this model: {reason}. It "
