@@ -41,6 +41,7 @@ from autoopt.capture import objects
 from autoopt.check.state import hook_keys
 from autoopt.compile.guards import training_flags
 from autoopt.errors import ConfigError, ModelError
+from autoopt.generation.returned import returned_cache
 from autoopt.module.build import build
 from autoopt.module.optimized import OptimizedModule
 from autoopt.module.watch import ModuleWatch
@@ -303,45 +304,6 @@ def _eager_reason(module: nn.Module, kwargs: Mapping[str, Any]) -> str | None:
                 f"at run time (transformers' dynamic_rope_update), which a graph would replay "
                 f"as captured")
     return None
-
-
-def _returned_cache(cache: Any, module: nn.Module, static_length: int | None,
-                    source_length: int | None = None) -> Any:
-    """The cache eager's ``generate`` returns for the call, made from the one autoopt's steps
-    filled (a static cache the length of a bucket, 256 positions): a ``DynamicCache`` holding
-    the tokens fed, or with ``cache_implementation="static"`` a static cache of the length
-    transformers sized it to (``static_length``); an encoder-decoder's pair likewise. None
-    where the cache is not one this knows how to rebuild (it is then returned as it is).
-    ``source_length``: the encoder's output length before it was padded to a bucket."""
-    from transformers.cache_utils import DynamicCache, EncoderDecoderCache, StaticCache
-
-    config = module.config.get_text_config(decoder=True)
-
-    def rebuilt(old: Any, length: int | None, fed: int | None = None) -> Any:
-        layers = getattr(old, "layers", None)
-        new = (StaticCache(config=config, max_cache_len=length) if length is not None
-               else DynamicCache(config=config))
-        if layers is None or len(new.layers) != len(layers):
-            return None
-        for a, b in zip(layers, new.layers, strict=True):
-            if not getattr(a, "is_initialized", False):
-                continue
-            # (a graph step wrote the count in place too)
-            filled = int(a.get_seq_length()) if fed is None else fed
-            b.update(a.keys[:, :, :filled].clone(), a.values[:, :, :filled].clone())
-        return new
-
-    if not isinstance(cache, EncoderDecoderCache):
-        return rebuilt(cache, static_length) if isinstance(cache, StaticCache) else None
-    own, cross = cache.self_attention_cache, cache.cross_attention_cache
-    if not isinstance(own, StaticCache) or not isinstance(cross, StaticCache):
-        return None
-    encoded = source_length if source_length is not None else max(
-        (int(layer.get_seq_length()) for layer in cross.layers
-         if getattr(layer, "is_initialized", False)), default=0)
-    pair = (rebuilt(own, static_length),
-            rebuilt(cross, encoded if static_length is not None else None, encoded))
-    return EncoderDecoderCache(*pair) if None not in pair else None
 
 
 def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -708,7 +670,7 @@ class Generator:
 
     def _return_eager_s_cache(self, module: nn.Module, result: Any) -> None:
         """Put the cache eager would return in ``result`` (``return_dict_in_generate=True``)
-        in place of the static one the steps ran on (see ``_returned_cache``)."""
+        in place of the static one the steps ran on (see ``autoopt.generation.returned``)."""
         for name in ("cache", "past_key_values"):
             cache = result.get(name) if isinstance(result, Mapping) else None
             if cache is None:
@@ -716,7 +678,7 @@ class Generator:
             length = self._asked_length if self._asked_static else None
             if self._asked_static and length is None:
                 return  # no length known to size it to: the steps' own
-            rebuilt = _returned_cache(cache, module, length, self._source_length)
+            rebuilt = returned_cache(cache, module, length, self._source_length)
             if rebuilt is not None:
                 result[name] = rebuilt
             return
