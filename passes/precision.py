@@ -8,9 +8,10 @@ accuracy needs it.
 Starting policy: matmuls, convolutions and attention in low precision, sensitive ops (norms,
 softmax, reductions, exp/log/pow, losses, cumulative ops) in fp32, the rest following their
 inputs (``precision_cast``). Then, by measurement on the example inputs: when the whole-graph
-error exceeds the budget (half the tolerance), groups of neighbouring candidates are run alone
-in low precision and the worst go back to fp32 until the whole graph fits (``choose``). What was
-chosen, and why, goes into ``gm.meta["precision"]`` for the report.
+error (its outputs', and the inputs' it writes: a KV cache) exceeds the budget (half the
+tolerance), groups of neighbouring candidates are run alone in low precision and the worst go
+back to fp32 until the graph fits (``choose``). What was chosen, and why, goes into
+``gm.meta["precision"]`` for the report.
 
 In training (``ctx.training``) no error is measured per op: autocast's ops run low where the
 cost model measures them faster (``precision_policy``), and verification against fp32 over the
@@ -34,6 +35,7 @@ from autoopt.cost_model.isolation import preserved
 
 from . import ops, precision_policy
 from .base import PassContext, PassResult
+from .graph import written_placeholders
 from .precision_cast import (
     CastInterpreter,
     apply_casts,
@@ -422,7 +424,6 @@ def _int8(gm: GraphModule, ctx: PassContext, tolerance: float,
                                  **{f"{k}_kernel": c for k, c in counts.items()}})
 
 
-
 class _Measure:
     """Runs candidate graphs on the example inputs, and on copies of them with masked
     positions (``masked_variants``), and compares them with the fp32 graph.
@@ -437,6 +438,9 @@ class _Measure:
         if len(example_inputs) != len(placeholders):
             raise ValueError("the precision pass measures on the example inputs, but they do "
                              f"not match the graph's {len(placeholders)} placeholder(s)")
+        # The inputs the graph writes (a KV cache at the step's positions) are results too:
+        # verification holds them to the tolerance, so the budget must count them.
+        self.written = sorted(written_placeholders(gm))
         self.trials = 0
         self.sets = [tuple(example_inputs)]
         self.references = [self._run(Interpreter(gm), self.sets[0])]
@@ -454,8 +458,9 @@ class _Measure:
         return len(self.sets) - 1
 
     def error(self, candidate: Interpreter) -> float:
-        """Max over input sets and floating outputs of ``max |actual - expected| / max
-        |expected|``; where fp32 gives inf or NaN (a fully masked row) the candidate must too."""
+        """Max over input sets and floating outputs (and inputs written) of ``max |actual -
+        expected| / max |expected|``; where fp32 gives inf or NaN (a fully masked row) the
+        candidate must too."""
         self.trials += 1
         worst = 0.0
         for inputs, reference in zip(self.sets, self.references, strict=True):
@@ -467,6 +472,8 @@ class _Measure:
         return worst
 
     def _run(self, interpreter: Interpreter, inputs: tuple[Any, ...]) -> list[Any]:
+        """The output leaves, then the inputs the graph wrote (after the outputs, so the
+        outputs' indices are the graph's)."""
         # Each run on its own copies: a graph that writes an input in place (a KV cache
         # written at its position, a step counter) would otherwise see the previous run's
         # writes, and the runs would not compute the same thing.
@@ -474,7 +481,7 @@ class _Measure:
         with torch.no_grad(), torch.random.fork_rng(), _quiet():
             torch.manual_seed(0)  # dropout in training draws the same masks each run
             out = interpreter.run(*inputs)
-        return pytree.tree_leaves(out)
+        return [*pytree.tree_leaves(out), *(inputs[i] for i in self.written)]
 
 
 def _relative_error(expected: torch.Tensor, actual: torch.Tensor) -> float:

@@ -212,6 +212,23 @@ def test_a_second_length_makes_that_dimension_dynamic(exports: list[object]) -> 
     assert second.leaves[0].shape == (2, None)  # the batch never changed: still static
 
 
+def test_a_dimension_made_dynamic_stays_dynamic_when_another_varies(
+        exports: list[object]) -> None:
+    """Batch and length both vary: once the length is dynamic, a new batch size is captured
+    with both dimensions dynamic, not with the length fixed again (``[?, 30]``, then
+    ``[3, ?]``: a graph per call until ``max_specializations`` ran out)."""
+    model = _llama().eval()
+    with torch.no_grad():
+        fast = autoopt.optimize(model, (_ids(16),), backend="aten")
+        for batch, length in ((2, 12), (3, 30), (3, 7), (4, 9), (5, 11)):
+            ids = torch.randint(0, 128, (batch, length))
+            _close(fast(ids).last_hidden_state, model(ids).last_hidden_state)
+    assert len(fast.report.captures) == len(exports) == 3, fast.report
+    shapes = [s.signature.leaves[0].shape for s in fast.specializations
+              if s.signature is not None]
+    assert shapes == [(2, 16), (2, None), (None, None)]
+
+
 def test_dynamic_false_keeps_a_graph_per_size() -> None:
     model = nn.Sequential(nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 3)).eval()
     with torch.no_grad():

@@ -221,6 +221,45 @@ def test_int8_linears_the_dynamic_kernel_errs_on_take_the_weight_only_one() -> N
     assert summary.achieved_error <= 2.5e-2
 
 
+class _WritesCache(torch.nn.Module):
+    """Writes one linear's result into an input (a KV cache) and returns another's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.key = torch.nn.Linear(64, 32)
+        self.head = torch.nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache.copy_(self.key(x))
+        return self.head(x)
+
+
+def test_what_a_graph_writes_into_its_inputs_is_budgeted_like_its_outputs() -> None:
+    """Verification holds a written input (a KV cache) to the tolerance as it does the
+    outputs; the pass measured the outputs alone, and quantized a linear whose error went
+    only into the cache (a generate step's graph was then refused). Here the key linear's
+    weights have an outlier its input never reads: int8 rounds the rest away."""
+    torch.manual_seed(0)
+    model = _WritesCache().eval()
+    with torch.no_grad():
+        model.key.weight[:, 0] = 100.0
+    x, cache = torch.randn(4, 64), torch.zeros(4, 32)
+    x[:, 0] = 0.0
+    with torch.no_grad():
+        gm = capture.export_graph(model, (x, cache), {})
+    result = cast_precision(gm, PassContext((x, cache), options={
+        "precision": "int8", "tolerance": 5e-2, "force": True, "kernel": "int8_weight"}))
+    summary = result.graph_module.meta["precision"]
+    assert summary.kernels == (("int8_weight", 1),)
+    assert [k.node for k in summary.kept] == ["linear"]  # the key's, writing the cache
+    result.graph_module.recompile()
+    written, expected = torch.zeros(4, 32), torch.zeros(4, 32)
+    with torch.no_grad():
+        result.graph_module(x, written)
+        model(x, expected)
+    torch.testing.assert_close(written, expected)
+
+
 # --- through optimize and generate ------------------------------------------------------------
 
 

@@ -16,7 +16,8 @@ each step is autoopt's:
   ``precision=`` (``"int8"``: weights stored in int8, read once per token), the measured
   backend, CUDA graphs on a GPU;
 - the prompt (prefill) step runs the same way once the cache holds its tensors; the first
-  step of a call, which allocates them, runs eagerly.
+  step of a call, which allocates them, runs eagerly, as does a step whose graph verification
+  refused after a call was served (``autoopt.generation.refused``).
 
 The cache object is taken apart with ``capture.objects`` (its tensors become graph inputs, its
 other attributes ride along in the spec), so no ``transformers`` type is registered anywhere.
@@ -41,6 +42,8 @@ from autoopt.capture import objects
 from autoopt.check.state import hook_keys
 from autoopt.compile.guards import training_flags
 from autoopt.errors import ConfigError, ModelError
+from autoopt.generation.refused import Refusals
+from autoopt.generation.returned import returned_cache
 from autoopt.module.build import build
 from autoopt.module.optimized import OptimizedModule
 from autoopt.module.watch import ModuleWatch
@@ -157,6 +160,9 @@ class _Stepper:
         inputs = {k: v for k, v in kwargs.items() if k != name and v is not None}
         inputs.setdefault("return_dict", True)
         step = self._optimized.step_for(spec, name, tensors, inputs, spec_key)
+        if step is None:  # its graph was refused (see ``refused``): the model runs it
+            self._stats.eager_steps += 1
+            return self._eager(*args, **kwargs)
         logits = step(tensors, **inputs)
         _count_tokens(cache, _tokens(inputs))
         self._stats.graph_steps += 1
@@ -305,45 +311,6 @@ def _eager_reason(module: nn.Module, kwargs: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _returned_cache(cache: Any, module: nn.Module, static_length: int | None,
-                    source_length: int | None = None) -> Any:
-    """The cache eager's ``generate`` returns for the call, made from the one autoopt's steps
-    filled (a static cache the length of a bucket, 256 positions): a ``DynamicCache`` holding
-    the tokens fed, or with ``cache_implementation="static"`` a static cache of the length
-    transformers sized it to (``static_length``); an encoder-decoder's pair likewise. None
-    where the cache is not one this knows how to rebuild (it is then returned as it is).
-    ``source_length``: the encoder's output length before it was padded to a bucket."""
-    from transformers.cache_utils import DynamicCache, EncoderDecoderCache, StaticCache
-
-    config = module.config.get_text_config(decoder=True)
-
-    def rebuilt(old: Any, length: int | None, fed: int | None = None) -> Any:
-        layers = getattr(old, "layers", None)
-        new = (StaticCache(config=config, max_cache_len=length) if length is not None
-               else DynamicCache(config=config))
-        if layers is None or len(new.layers) != len(layers):
-            return None
-        for a, b in zip(layers, new.layers, strict=True):
-            if not getattr(a, "is_initialized", False):
-                continue
-            # (a graph step wrote the count in place too)
-            filled = int(a.get_seq_length()) if fed is None else fed
-            b.update(a.keys[:, :, :filled].clone(), a.values[:, :, :filled].clone())
-        return new
-
-    if not isinstance(cache, EncoderDecoderCache):
-        return rebuilt(cache, static_length) if isinstance(cache, StaticCache) else None
-    own, cross = cache.self_attention_cache, cache.cross_attention_cache
-    if not isinstance(own, StaticCache) or not isinstance(cross, StaticCache):
-        return None
-    encoded = source_length if source_length is not None else max(
-        (int(layer.get_seq_length()) for layer in cross.layers
-         if getattr(layer, "is_initialized", False)), default=0)
-    pair = (rebuilt(own, static_length),
-            rebuilt(cross, encoded if static_length is not None else None, encoded))
-    return EncoderDecoderCache(*pair) if None not in pair else None
-
-
 def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return dict(itertools.chain(module.named_parameters(remove_duplicate=False),
                                 module.named_buffers(remove_duplicate=False)))
@@ -420,6 +387,7 @@ class Generator:
     def __init__(self, optimized: Any) -> None:
         self._optimized = optimized
         self._steps: dict[Any, Any] = {}
+        self._refused = Refusals()  # step graphs refused after a call was served
         self._layout: list[tuple[Any, ...]] = []
         self._layout_of: frozenset[Any] = frozenset()  # the module's dtypes and devices then
         self._weights: tuple[tuple[int, int], ...] = ()  # what the step graphs were built on
@@ -458,6 +426,7 @@ class Generator:
                          "flags changed since the step graphs were built; building them "
                          "again")
             self._steps.clear()
+            self._refused.reasons.clear()  # on the module as it is now they may verify
         self._state = (_StateWatch(module), self._module_state())
 
     def _drop_steps_on_other_weights(self) -> None:
@@ -476,6 +445,7 @@ class Generator:
                 log.info("generate: the module's weights moved to other memory since the "
                          "step graphs were built; building them again")
                 self._steps.clear()
+                self._refused.reasons.clear()
             self._weights = weights
 
     def _follow_moved_memory(self) -> bool:
@@ -549,13 +519,20 @@ class Generator:
                tuple((t.shape, t.dtype, t.device) for t in tensors))
         step = self._steps.get(key)
         if step is None:
-            started = time.perf_counter()
-            log.info("generate: capturing a %s step graph for a cache of %d tensors",
-                     "prompt" if prompt else "decode", len(tensors))
-            model = _Step(self._optimized.module, spec, name).eval()
-            step = build(model, (tensors,), dict(inputs), config=self._optimized.config,
-                         training=False, dynamic=prompt)
-            log.info("generate: step graph ready in %.1f s", time.perf_counter() - started)
+            def make() -> OptimizedModule:
+                started = time.perf_counter()
+                log.info("generate: capturing a %s step graph for a cache of %d tensors",
+                         "prompt" if prompt else "decode", len(tensors))
+                model = _Step(self._optimized.module, spec, name).eval()
+                made = build(model, (tensors,), dict(inputs), config=self._optimized.config,
+                             training=False, dynamic=prompt)
+                log.info("generate: step graph ready in %.1f s", time.perf_counter() - started)
+                return made
+
+            step = self._refused.build(key, "prompt" if prompt else "decode", make)
+            if step is None:  # refused: the caller runs the step eagerly
+                self.stats.note = self._refused.note(key, self.stats.note)
+                return None
             self._steps[key] = step
             # Each holds graphs and weight copies. The limit counts cache shapes, not step
             # modules: counting modules kept two shapes of the four (a third batch size threw
@@ -654,6 +631,7 @@ class Generator:
             self._drop_steps_on_other_state()
             try:
                 result = self._run(module, args, {**kwargs, "cache_implementation": "static"})
+                self._refused.served = True
             except _RunEagerly as exc:  # raised before any step ran
                 reason = str(exc)
         if reason is not None:
@@ -708,7 +686,7 @@ class Generator:
 
     def _return_eager_s_cache(self, module: nn.Module, result: Any) -> None:
         """Put the cache eager would return in ``result`` (``return_dict_in_generate=True``)
-        in place of the static one the steps ran on (see ``_returned_cache``)."""
+        in place of the static one the steps ran on (see ``autoopt.generation.returned``)."""
         for name in ("cache", "past_key_values"):
             cache = result.get(name) if isinstance(result, Mapping) else None
             if cache is None:
@@ -716,7 +694,7 @@ class Generator:
             length = self._asked_length if self._asked_static else None
             if self._asked_static and length is None:
                 return  # no length known to size it to: the steps' own
-            rebuilt = _returned_cache(cache, module, length, self._source_length)
+            rebuilt = returned_cache(cache, module, length, self._source_length)
             if rebuilt is not None:
                 result[name] = rebuilt
             return

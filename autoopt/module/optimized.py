@@ -25,12 +25,12 @@ from autoopt.check.report import Report
 from autoopt.check.state import has_hooks
 from autoopt.compile.guards import (
     InputSignature,
-    TensorSpec,
     current_modes,
     needs_gradients,
     signature_of,
     training_flags,
 )
+from autoopt.compile.sizes import varying_sizes
 from autoopt.compile.specialize import Capturer, Compiled, EagerRaised, model_device
 from autoopt.cost_model import CostModel
 from autoopt.module.concurrency import GATE
@@ -478,23 +478,16 @@ class OptimizedModule(nn.Module):
 
     def _varying_sizes(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                        ) -> dict[int, dict[int, Any]] | None:
-        """Where ``dynamic=`` was left to autoopt (None) and these inputs differ from a
-        static graph's only in some sizes: those dimensions (input leaf -> dimension ->
-        ``Dim.AUTO``), to be captured dynamic, as ``torch.compile`` marks a dimension
-        dynamic once it has seen a second size there. A loop over batches or sequence
-        lengths then builds two graphs, not one per size. None: capture as configured."""
+        """Where ``dynamic=`` was left to autoopt (None) and these inputs differ from static
+        or dynamic graphs' only in some sizes: those dimensions, and every one an earlier
+        graph made dynamic (``autoopt.compile.sizes``), to be captured dynamic. A loop over
+        batches or sequence lengths then builds two or three graphs, not one per size. None:
+        capture as configured."""
         if self._dynamic is not None or self._dynamic_shapes is not None:
             return None
-        new = signature_of(args, kwargs, self.module)
-        for spec in reversed([*self._rebuildable, *self._specializations]):
-            old = spec.signature
-            if (spec.method != "export" or old is None or old.tree != new.tree
-                    or old.modes[2:] != new.modes[2:]):
-                continue
-            varying = _size_changes(old.leaves, new.leaves)
-            if varying:
-                return varying
-        return None
+        earlier = [s.signature for s in [*self._rebuildable, *self._specializations]
+                   if s.method == "export" and s.signature is not None]
+        return varying_sizes(signature_of(args, kwargs, self.module), earlier) or None
 
     def _say_gradient_graph(self, reused: bool) -> None:
         """Say why a call on a model in eval mode, captured for inference, builds a graph:
@@ -524,32 +517,6 @@ class OptimizedModule(nn.Module):
             self.report.warnings.append(message)
             warnings.warn(f"autoopt: {message}", stacklevel=3)
         return Compiled(signature_of(args, kwargs, self.module), "eager", self.module)
-
-
-def _size_changes(old: tuple[Any, ...], new: tuple[Any, ...]) -> dict[int, dict[int, Any]]:
-    """The dimensions whose sizes differ between two signatures' leaves that agree in all
-    else (dtypes, devices, ranks, non-tensor values); empty where they do not agree."""
-    changes: dict[int, dict[int, Any]] = {}
-    for i, (a, b) in enumerate(zip(old, new, strict=True)):
-        if not isinstance(a, TensorSpec) or not isinstance(b, TensorSpec):
-            if isinstance(a, TensorSpec) or isinstance(b, TensorSpec) or not _same(a, b):
-                return {}
-            continue
-        if (a.dtype, a.device, len(a.shape)) != (b.dtype, b.device, len(b.shape)):
-            return {}
-        dims = {d: torch.export.Dim.AUTO
-                for d, (x, y) in enumerate(zip(a.shape, b.shape, strict=True))
-                if x is not None and x != y}
-        if dims:
-            changes[i] = dims
-    return changes
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return a is b or (type(a) is type(b) and bool(a == b))
-    except Exception:  # noqa: BLE001 - incomparable values count as different
-        return False
 
 
 def _own_memory(t: torch.Tensor) -> None:
