@@ -22,7 +22,8 @@ from autoopt.errors import ConfigError
 from autoopt.options import precision as precision_settings
 from autoopt.passes import PassContext, precision_policy
 from autoopt.passes.graph import attr
-from autoopt.passes.precision import DEFAULT_TOLERANCE, cast_precision, choose, masked_variants
+from autoopt.passes.masked_inputs import masked_variants
+from autoopt.passes.precision import DEFAULT_TOLERANCE, cast_precision, choose
 
 aten = torch.ops.aten
 

@@ -9,12 +9,12 @@ model works on copies of the inputs and leaves the module's state as it found it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -24,33 +24,22 @@ from torch.utils import _pytree as pytree
 
 from autoopt.backends.whole_graph import lower_whole_graph
 from autoopt.capture import graph as capture_lib
-from autoopt.capture.objects import foreign_types
-from autoopt.check.compare import VerifyResult, check_all, compare, gradients, reference_run
+from autoopt.check.compare import VerifyResult, check_all, gradients, reference_run
 from autoopt.check.inputs import clone_inputs, input_sets, leaves
-from autoopt.check.report import CaptureRecord, PassRecord, Report
+from autoopt.check.report import BackendChoice, CaptureRecord, PassRecord, Report
 from autoopt.check.state import (
-    ABSENT,
     HookKey,
-    StateKey,
-    assign_attributes,
-    attribute_copies,
-    attribute_values,
-    changed_state,
-    has_hooks,
-    hook_keys,
-    own_buffers,
     preserved,
-    python_state,
-    remove_hooks,
-    state_names,
-    uses_custom_autograd,
 )
+from autoopt.compile.compiled import Compiled, Source, model_device
 from autoopt.compile.dynamo import autoopt_backend
-from autoopt.compile.guards import InputSignature, current_modes, needs_gradients, signature_of
+from autoopt.compile.guards import current_modes, needs_gradients, signature_of
 from autoopt.compile.pass_runner import run_pipeline
+from autoopt.compile.probe import EagerProbe
+from autoopt.compile.reuse import Earlier
 from autoopt.cost_model import CostModel
 from autoopt.cost_model.isolation import is_read_only
-from autoopt.errors import ConfigError, ModelError, wrapped_error
+from autoopt.errors import ConfigError, wrapped_error
 from autoopt.observe import memory_profile
 from autoopt.options.config import OptimizeConfig
 from autoopt.options.memory import parse_budget
@@ -60,19 +49,6 @@ from autoopt.runtime import budget as budget_lib
 from autoopt.runtime import cuda_graphs
 
 log = logging.getLogger(__name__)
-
-
-class EagerRaised(ModelError):
-    """The model itself raised, run eagerly on the inputs being captured (``original``).
-
-    For the example inputs ``autoopt.optimize`` says so; for a later call the module raises
-    ``original``, the error eager raises for that call (a ``RuntimeError`` for a shape
-    mismatch), not an autoopt error about the example."""
-
-    def __init__(self, original: Exception) -> None:
-        super().__init__(f"the model raised {type(original).__name__} when run eagerly on "
-                         f"these inputs: {original}")
-        self.original = original
 
 
 class _HookGuarded:
@@ -88,52 +64,7 @@ class _HookGuarded:
             return self.compiled(*args, **kwargs)
 
 
-@dataclass
-class Compiled:
-    """A compiled form of the model and the inputs it may be called with (None: any)."""
-
-    signature: InputSignature | None
-    method: str
-    run: Callable[..., Any]
-    graph: GraphModule | None = None  # the optimized whole graph ``run`` executes, if one
-    # The weights' stamp (``ModuleWatch.stamp`` over ``watched``) its constants were computed
-    # at: folded BatchNorms, merged and packed weights are copies, so the graph is stale once
-    # one of them is written. None: reads them all live.
-    stamp: int | None = None
-    # The tensors a pass may have copied into the graph: all of them for an inference
-    # capture, those no gradient reaches (buffers, frozen parameters) for one with gradients.
-    watched: list[torch.Tensor] | None = None
-    # The backend that runs it, when not ``aten`` (``inductor``, ``onnxruntime``).
-    backend: str = ""
-    # The exported graph it was optimized from, to build it again without exporting.
-    source: Source | None = None
-
-
-@dataclass
-class Source:
-    """An exported graph as ``torch.export`` gave it, before the passes, kept to build from
-    again without exporting: for new weights (what the passes derived from them, folded
-    BatchNorms, merged and packed copies, is stale; the graph is not, it reads the module's
-    tensors live) or for another grad mode (its ops are differentiable either way).
-
-    Args:
-        graph: the exported graph (never modified: the passes work on copies).
-        record: the report's record of the capture that exported it.
-        written: the module's tensors the forward writes itself (``Capturer.written``).
-    """
-
-    graph: GraphModule
-    record: CaptureRecord
-    written: list[torch.Tensor]
-
-
-def model_device(model: nn.Module) -> torch.device | None:
-    for t in list(model.parameters()) + list(model.buffers()):
-        return t.device
-    return None
-
-
-class Capturer:
+class Capturer(EagerProbe):
     """Captures ``module`` for one input signature at a time.
 
     Args:
@@ -172,6 +103,10 @@ class Capturer:
         self.report = report
         self._dynamic = dynamic
         self._dynamic_shapes = dynamic_shapes
+        # What the first graph of each grad mode measured (None: nothing to reuse), and the
+        # one a capture in progress reuses.
+        self._earlier: dict[bool, Earlier | None] = {}
+        self._reusing: Earlier | None = None
 
     def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                 source: Source | None = None,
@@ -283,7 +218,8 @@ class Capturer:
                 continue
             log.info("capture: trying %s", method)
             try:
-                with memory_profile.stage(f"capture {method}"):
+                with memory_profile.stage(f"capture {method}"), \
+                        self._reusing_choice(method, args, kwargs):
                     spec = getattr(self, f"_{method}")(args, kwargs, record)
                 break
             except ConfigError:
@@ -317,129 +253,25 @@ class Capturer:
                 f"drop memory_budget to train it as captured.")
         return spec
 
-    def _probe(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
-        """Run eagerly once (twice where the first call writes Python state); return why a
-        whole-graph capture could not replay this model.
-
-        Python state the first call writes and later calls leave as they find it (a cache of
-        values computed from parameters, a flag set once, hooks the model installs for
-        itself) is kept on this module, autoopt's copy, as eager's first call would leave it,
-        when the second call computes what the first did: the graph is then captured as
-        every later call runs (``_first_call_only``). State written on every call stays an
-        obstacle. The user's model is never run here."""
-        obstacles = []
-        if has_hooks(self.module, ignore=self.own_hooks):
-            obstacles.append("the model has forward/backward hooks, which a graph would run "
-                             "only once at capture time")
-        hooks = hook_keys(self.module)
-        kept: dict[StateKey, Any] | None = None
-        # On copies of the buffers: a forward that writes them must not write memory this
-        # module may still share with the user's model (see on_state_write).
-        with own_buffers(self.module) as copies, preserved(self.module):
-            before, initial = python_state(self.module), attribute_copies(self.module)
-            tensors = [t for t in (*self.module.parameters(), *self.module.buffers())
-                       if not t.is_inference()]
-            versions = [t._version for t in tensors]
-            out = self._probe_call(args, kwargs)
-            # The module's own tensors (not the copies) its forward writes in place.
-            self.written = [copies.get(id(t), t) for t, v in zip(tensors, versions, strict=True)
-                            if t._version != v]
-            self._output_types = foreign_types(out)
-            changed = changed_state(before, python_state(self.module))
-            installed = hook_keys(self.module) - hooks
-            if changed or installed:
-                why, kept = self._first_call_only(args, kwargs, out, changed, copies,
-                                                  initial)
-                if why:
-                    obstacles.append(why)
-            if torch.is_grad_enabled() and uses_custom_autograd(out):
-                obstacles.append("the model uses a custom autograd.Function, whose backward "
-                                 "a traced graph would drop")
-        if kept is not None:  # preserved put back the state from before: the first call's
-            assign_attributes(self.module, kept)
-            self.own_hooks |= installed
-            self.kept_state = True
-            log.info("capture: forward's first call writes %s, which later calls keep: kept "
-                     "on autoopt's copy and captured as later calls run",
-                     state_names(changed) or "hooks")
-        else:
-            remove_hooks(self.module, installed)  # the probe leaves no trace
-        if self.written and self._on_state_write is not None:
-            self._on_state_write()  # after the probe's writes were put back
-        return obstacles
-
-    def _probe_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """One eager call on a copy of the inputs, from the buffers' values as they are (they
-        are put back after it, with the RNG: each probe call sees the same). Where the model
-        raises, ``EagerRaised``: the example's capture says so, a later call raises eager's
-        own error."""
-        with preserved(list(self.module.buffers())):
-            probe_args, probe_kwargs = clone_inputs(args, kwargs)
-            try:
-                return self.module(*probe_args, **probe_kwargs)
-            except Exception as exc:
-                raise EagerRaised(exc) from exc
-
-    def _first_call_only(self, args: tuple[Any, ...], kwargs: dict[str, Any], first: Any,
-                         changed: list[StateKey], copies: dict[int, torch.Tensor],
-                         initial: dict[StateKey, Any],
-                         ) -> tuple[str, dict[StateKey, Any] | None]:
-        """Call once more, after the probe's first call wrote ``changed`` (or installed
-        hooks): the write is one a graph can own if this call writes nothing and computes
-        what the first did, and if a first call on other inputs (from the ``initial``
-        state) writes the same values: a cache of the example's own values would make the
-        graph replay them for every input. Returns why not, or the state to keep."""
-        names = state_names(changed)
-        what = f"forward changes Python state ({names})" if changed else "forward adds hooks"
-        expected = {p: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                    for p, v in leaves(first, "output")}
-        after, hooks = python_state(self.module), hook_keys(self.module)
+    @contextlib.contextmanager
+    def _reusing_choice(self, method: str, args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> Iterator[None]:
+        """Within it, a whole-graph capture of new inputs builds the backend the module's
+        first graph of the same grad mode measured fastest, with the passes that can matter
+        (``reuse``); a Dynamo capture, whose subgraphs have their own candidates, does not."""
+        gradients = needs_gradients(args, kwargs, current_modes(self.module))
+        earlier = self._earlier.get(gradients) if method != "dynamo" else None
+        if earlier is None:
+            yield
+            return
+        config = self._config
+        self._config, self._reusing = earlier.config(config), earlier
+        log.info("capture: building %s, measured fastest for %s, without measuring the "
+                 "others", earlier.backend, earlier.inputs)
         try:
-            second = self._probe_call(args, kwargs)
-        except ModelError as exc:
-            return f"{what}, after which a second call raises ({exc.__cause__})", None
-        again = changed_state(after, python_state(self.module))
-        if again:
-            return (f"forward changes Python state ({state_names(again)}) on every call: a "
-                    f"graph would replay the values of one call"), None
-        if hook_keys(self.module) - hooks:
-            return "forward adds hooks on every call", None
-        result = compare(expected, dict(leaves(second, "output")),
-                         self._config.verification_tolerances)
-        if not result.ok:
-            return (f"{what} on its first call and computes differently on later calls "
-                    f"({result.detail})"), None
-        kept = attribute_values(self.module, changed)
-        held = [v for _, v in leaves(kept, "state") if isinstance(v, torch.Tensor)]
-        if any(v.requires_grad for v in held):
-            return f"{what}, keeping tensors with gradient history", None
-        if {id(v) for v in held} & copies.keys():
-            return f"{what}, keeping a buffer itself", None
-        elsewhere = self._first_call_on_other_inputs(args, kwargs, changed, initial)
-        if elsewhere is not None:
-            result = compare(_state_values(kept), elsewhere, self._config.verification_tolerances)
-            if not result.ok:
-                return f"{what} from its inputs: a first call on other inputs writes " \
-                       f"other values ({result.detail})", None
-        return "", kept
-
-    def _first_call_on_other_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-                                    changed: list[StateKey], initial: dict[StateKey, Any],
-                                    ) -> dict[str, Any] | None:
-        """The values a first call on fresh random inputs writes into ``changed``, or None
-        where eager rejects those inputs. Leaves no trace: state and hooks are put back."""
-        hooks = hook_keys(self.module)
-        with preserved(self.module):
-            assign_attributes(self.module, {k: initial.get(k, ABSENT) for k in changed})
-            try:
-                fresh_args, fresh_kwargs = input_sets(args, kwargs, 1)[1]
-                self._probe_call(fresh_args, fresh_kwargs)
-                values = _state_values(attribute_values(self.module, changed))
-            except ModelError:
-                values = None  # an input set eager rejects says nothing
-            finally:
-                remove_hooks(self.module, hook_keys(self.module) - hooks)
-        return values
+            yield
+        finally:
+            self._config, self._reusing = config, None
 
     def _reuse(self, source: Source, args: tuple[Any, ...], kwargs: dict[str, Any],
                record: CaptureRecord) -> Compiled | None:
@@ -507,16 +339,31 @@ class Capturer:
         """The fastest verified backend's callable for ``gm`` (``aten`` runs ``aten``), and
         its name where it is not ``aten``."""
         gradients = needs_gradients(args, kwargs, current_modes(self.module))
-        with memory_profile.stage("backend choice"):
-            run, choice = lower_whole_graph(
-                gm, aten, self.module, args, kwargs, config=self._config,
+
+        def lower(config: OptimizeConfig) -> tuple[Callable[..., Any], BackendChoice]:
+            return lower_whole_graph(
+                gm, aten, self.module, args, kwargs, config=config,
                 cost_model=self.cost_model,
                 verify=(lambda c: self._verify(c, args, kwargs, gm, self._reference))
-                if self._config.verify else None,
+                if config.verify else None,
                 adapt=adapt, gradients=gradients,
                 dynamic=self._dynamic or self._dynamic_shapes is not None,
                 memory_plan=record.memory_plan is not None,
                 device=model_device(self.module) or torch.device("cpu"))
+
+        with memory_profile.stage("backend choice"):
+            try:
+                run, choice = lower(self._config)
+            except ConfigError:
+                if self._reusing is None:
+                    raise
+                # The backend the first graph won with cannot run this one: the aten graph,
+                # already verified, does.
+                run, choice = lower(dataclasses.replace(self._config, backends=("aten",)))
+        if self._reusing is not None:
+            self._reusing.note(choice)
+        elif self._config.backend is None and self._earlier.get(gradients) is None:
+            self._earlier[gradients] = Earlier.of(record, choice)
         record.backends.append(choice)
         if choice.chosen == "aten":
             return run, ""
@@ -734,12 +581,6 @@ def _constant_bytes(spec: Compiled) -> int:
     if spec.backend not in ("", "hybrid"):
         total += sum(t.numel() * t.element_size() for t in spec.watched or ())
     return total
-
-
-def _state_values(values: dict[StateKey, Any]) -> dict[str, Any]:
-    """The leaves of kept Python state, tensors copied: what two first calls compare."""
-    return {p: v.detach().clone() if isinstance(v, torch.Tensor) else v
-            for p, v in leaves(list(values.values()), "state")}
 
 
 class _Mismatch(Exception):

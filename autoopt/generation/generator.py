@@ -42,6 +42,23 @@ from autoopt.capture import objects
 from autoopt.check.state import hook_keys
 from autoopt.compile.guards import training_flags
 from autoopt.errors import ConfigError, ModelError
+from autoopt.generation.cache import (
+    CACHE_BUCKET,
+    MAX_CACHE_SHAPES,
+    allocated,
+    caches,
+    count_tokens,
+    slides,
+)
+from autoopt.generation.call import (
+    batch,
+    beyond_positions,
+    eager_reason,
+    max_positions,
+    option,
+    sliding_window,
+    tokens,
+)
 from autoopt.generation.refused import Refusals
 from autoopt.generation.returned import returned_cache
 from autoopt.module.build import build
@@ -117,7 +134,7 @@ class _Stepper:
         """The cache's tensors, structure and the structure's text (part of a step graph's
         key), taken apart once per cache object (a static cache keeps its tensors from step
         to step; ~0.6 ms a step otherwise, and 0.1 ms to write the structure out)."""
-        keys = [layer.keys for c in _caches(cache) for layer in c.layers]
+        keys = [layer.keys for c in caches(cache) for layer in c.layers]
         if self._last is None or self._last[0] is not cache or any(
                 a is not b for a, b in zip(self._last[1], keys, strict=True)):
             tensors, spec = objects.flatten(cache)
@@ -137,7 +154,7 @@ class _Stepper:
         if extra and first:
             raise _RunEagerly(f"{'/'.join(extra)}=True: the step graphs return the logits "
                               f"alone")
-        if found and first and _slides(found[0][1]):
+        if found and first and slides(found[0][1]):
             raise _RunEagerly("a sliding-window cache layer fills its window in this call "
                               "(it keeps its length in a Python int, which a graph would "
                               "replay)")
@@ -146,9 +163,9 @@ class _Stepper:
             return self._eager(*args, **kwargs)
         name, cache = found[0]
         self._stats.cache_type = type(cache).__name__
-        if not _allocated(cache):  # as the first call's cache was, if known
-            self._optimized.allocate(cache, _batch(kwargs))
-        if not _allocated(cache):
+        if not allocated(cache):  # as the first call's cache was, if known
+            self._optimized.allocate(cache, batch(kwargs))
+        if not allocated(cache):
             self._stats.eager_steps += 1
             out = self._eager(*args, **kwargs)
             self._optimized.remember_layout(cache)
@@ -164,7 +181,7 @@ class _Stepper:
             self._stats.eager_steps += 1
             return self._eager(*args, **kwargs)
         logits = step(tensors, **inputs)
-        _count_tokens(cache, _tokens(inputs))
+        count_tokens(cache, tokens(inputs))
         self._stats.graph_steps += 1
         return _Output(logits=logits, cache=cache, past_key_values=cache)
 
@@ -178,137 +195,6 @@ class _Output(dict):
             return self[name]
         except KeyError:
             raise AttributeError(name) from None
-
-
-def _caches(cache: Any) -> list[Any]:
-    """The layered caches inside ``cache``: itself, or an encoder-decoder cache's two."""
-    if hasattr(cache, "layers"):
-        return [cache]
-    return [getattr(cache, name) for name in ("self_attention_cache", "cross_attention_cache")
-            if hasattr(getattr(cache, name, None), "layers")]
-
-
-def _slides(cache: Any) -> bool:
-    """Whether a sliding-window layer of the cache may fill its window: past that, its update
-    and the attention mask branch on its Python count of tokens (``cumulative_length_int``),
-    which a captured graph replays as it was at capture. A window as long as the whole
-    cache (``_is_croppable``) never fills, and those branches never change."""
-    return any(getattr(layer, "is_sliding", False) and not getattr(layer, "_is_croppable", False)
-               for c in _caches(cache) for layer in getattr(c, "layers", ()))
-
-
-def _count_tokens(cache: Any, tokens: int) -> None:
-    """Count a graph step's tokens on the cache's sliding-window layers, as their own update
-    does in Python (the graph updates the copies it unflattens): ``get_seq_length`` reads
-    that count, and generate slices the next step's inputs by it (it stayed at the prompt
-    step's 0, and the steps after it fed the wrong tokens)."""
-    own = getattr(cache, "self_attention_cache", cache)  # not an encoder's cross-attention
-    for layer in getattr(own, "layers", ()):
-        if isinstance(getattr(layer, "cumulative_length_int", None), int):
-            layer.cumulative_length_int += tokens
-
-
-def _allocated(cache: Any) -> bool:
-    """Whether a step would leave the cache's Python state as it is, so a graph can replay
-    it: every layer holds its tensors (the first update of a transformers ``StaticLayer``
-    allocates them) and an encoder-decoder cache has its cross-attention keys (its first
-    decoder step computes them and sets ``is_updated``)."""
-    caches = _caches(cache)
-    if not caches or not all(c.layers for c in caches):
-        return False
-    updated = getattr(cache, "is_updated", None)
-    if isinstance(updated, dict) and not all(updated.values()):
-        return False
-    return all(getattr(layer, "is_initialized", False)
-               and isinstance(getattr(layer, "keys", None), torch.Tensor)
-               for c in caches for layer in c.layers)
-
-
-_CACHE_BUCKET = 256  # static cache lengths are rounded up to a multiple of this
-# Cache structures (batch size, length bucket, dtype) whose step modules are kept, the least
-# recently used dropped; each has two step modules, the prompt step's and the decode step's.
-_MAX_CACHE_SHAPES = 4
-
-
-def _fed(inputs: Mapping[str, Any]) -> torch.Tensor | None:
-    """What this step feeds the model, (sequences, tokens, ...), or None."""
-    for name in ("input_ids", "decoder_input_ids", "inputs_embeds"):
-        value = inputs.get(name)
-        if isinstance(value, torch.Tensor) and value.dim() >= 2:
-            return value
-    return None
-
-
-def _tokens(inputs: Mapping[str, Any]) -> int:
-    """Tokens per sequence this step feeds (1 for a decode step)."""
-    fed = _fed(inputs)
-    return fed.shape[1] if fed is not None else 1
-
-
-def _batch(inputs: Mapping[str, Any]) -> int | None:
-    """Sequences this step feeds (beams and returned sequences counted), or None."""
-    fed = _fed(inputs)
-    return fed.shape[0] if fed is not None else None
-
-
-def _max_positions(module: nn.Module) -> int | None:
-    config = getattr(module, "config", None)
-    for name in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def _sliding_window(module: nn.Module) -> int | None:
-    value = getattr(getattr(module, "config", None), "sliding_window", None)
-    return value if isinstance(value, int) and value > 0 else None
-
-
-def _length_dependent_rope(module: nn.Module) -> str | None:
-    """The rope type of a rotary embedding whose frequencies depend on the sequence length at
-    run time, or None: transformers' ``dynamic_rope_update`` recomputes "dynamic" frequencies
-    in Python once the positions pass the original maximum (and keeps them, so eager's result
-    depends on earlier calls too), and switches "longrope" between its short and long factors
-    by length, writing the buffer in place."""
-    for m in module.modules():
-        kinds = getattr(m, "rope_type", None)
-        kinds = kinds.values() if isinstance(kinds, Mapping) else [kinds]
-        for kind in kinds:
-            if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope"):
-                return kind
-    return None
-
-
-def _option(module: nn.Module, kwargs: Mapping[str, Any], name: str) -> Any:
-    """A generation option as the call sets it: the keyword, else the call's
-    ``generation_config``, else the model's."""
-    if name in kwargs:
-        return kwargs[name]
-    for config in (kwargs.get("generation_config"), getattr(module, "generation_config", None)):
-        if config is not None and hasattr(config, name):
-            return getattr(config, name)
-    return None
-
-
-def _eager_reason(module: nn.Module, kwargs: Mapping[str, Any]) -> str | None:
-    """Why autoopt's graphs cannot serve this call (it runs eagerly, as ``model.generate``
-    does), or None."""
-    if _option(module, kwargs, "use_cache") is False:
-        return "use_cache=False: no cache to keep static, each step runs the whole sequence"
-    for name in ("output_hidden_states", "output_attentions"):
-        if _option(module, kwargs, name):
-            return f"{name}=True: the step graphs return the logits alone"
-    device = next((p.device.type for p in module.parameters()), "cpu")
-    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
-        return ("under torch.autocast: the step graphs and the cache's dtype are the "
-                "module's own")
-    rope = _length_dependent_rope(module)
-    if rope is not None:
-        return (f"rope_type {rope!r}: the rotary frequencies depend on the sequence length "
-                f"at run time (transformers' dynamic_rope_update), which a graph would replay "
-                f"as captured")
-    return None
 
 
 def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -342,41 +228,6 @@ class _StateWatch(ModuleWatch):
 
     def _register(self) -> None:
         self._registered = True
-
-
-def _beyond_positions(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
-                      ) -> ConfigError | None:
-    """The clear error for a call whose prompt, or prompt and new tokens, need more positions
-    than the model has (a learned position table then fails with a bare index error, or the
-    prompt step's capture with one on its example inputs), or None. The lengths are the
-    call's as generate reads them: ``max_new_tokens``, else ``max_length``, each from the
-    keyword, the call's ``generation_config`` or the model's."""
-    ids = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("input_ids")
-    positions = _max_positions(module)
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or positions is None or \
-            getattr(getattr(module, "config", None), "is_encoder_decoder", False):
-        return None  # an encoder-decoder's prompt is the encoder's, not the decoder's positions
-    name, prompt = type(module).__name__, ids.shape[1]
-    if prompt > positions:
-        return ConfigError(f"generate: the prompt is {prompt} tokens, longer than the "
-                           f"{positions} positions {name} has (its config's "
-                           f"max_position_embeddings or n_positions). Shorten the prompt to "
-                           f"at most {positions} tokens, fewer to leave room for new ones.")
-    new = _option(module, kwargs, "max_new_tokens")
-    where = "" if "max_new_tokens" in kwargs else " (from the generation config)"
-    if isinstance(new, int):
-        if prompt + new <= positions:
-            return None
-        return ConfigError(f"generate: a prompt of {prompt} tokens and max_new_tokens={new}"
-                           f"{where} need {prompt + new} positions; {name} has {positions}. "
-                           f"Shorten the prompt or max_new_tokens.")
-    length = _option(module, kwargs, "max_length")
-    if not isinstance(length, int) or length <= positions:
-        return None
-    where = "" if "max_length" in kwargs else " (from the generation config)"
-    return ConfigError(f"generate: max_length={length}{where} needs {length} positions; "
-                       f"{name} has {positions}. Pass max_length={positions} or less, or "
-                       f"max_new_tokens.")
 
 
 class Generator:
@@ -482,7 +333,7 @@ class Generator:
         """Record the shapes the model's first step gave each cache layer (heads, head
         sizes, dtype), so the next call's cache is allocated before its prompt step and
         that step runs through a graph too."""
-        if _allocated(cache) and hasattr(cache, "layers"):
+        if allocated(cache) and hasattr(cache, "layers"):
             self._layout = [(type(layer), layer.keys.shape, layer.values.shape,
                              layer.keys.dtype, layer.keys.device) for layer in cache.layers]
             self._layout_of = _float_layout(self._optimized.module)
@@ -514,7 +365,7 @@ class Generator:
         # Decode steps (one token) share one static graph; prompt steps one graph whose
         # sequence length is symbolic, so prompts of any length add no graph (and no copy
         # of the packed weights) each.
-        prompt = _tokens(inputs) != 1
+        prompt = tokens(inputs) != 1
         key = (prompt, spec_key if spec_key is not None else str(spec), name,
                tuple((t.shape, t.dtype, t.device) for t in tensors))
         step = self._steps.get(key)
@@ -537,7 +388,7 @@ class Generator:
             # Each holds graphs and weight copies. The limit counts cache shapes, not step
             # modules: counting modules kept two shapes of the four (a third batch size threw
             # out the first one's prompt and decode graphs).
-            while len({k[1:] for k in self._steps}) > _MAX_CACHE_SHAPES:
+            while len({k[1:] for k in self._steps}) > MAX_CACHE_SHAPES:
                 oldest = next(iter(self._steps))[1:]
                 for k in [k for k in self._steps if k[1:] == oldest]:
                     del self._steps[k]
@@ -548,18 +399,18 @@ class Generator:
     def _sized(self, prepare: Callable[..., Any]) -> Callable[..., Any]:
         """transformers' static-cache constructor with the length rounded up to a bucket, so
         calls with other prompt lengths or ``max_new_tokens`` share one decode graph."""
-        positions = _max_positions(self._optimized.module)
-        window = _sliding_window(self._optimized.module)
+        positions = max_positions(self._optimized.module)
+        window = sliding_window(self._optimized.module)
 
         def prepare_bucketed(*args: Any, **kwargs: Any) -> Any:
             length = kwargs.get("max_cache_len")
             self._asked_length = length if isinstance(length, int) else None
             if isinstance(length, int):
-                bucket = -(-length // _CACHE_BUCKET) * _CACHE_BUCKET
+                bucket = -(-length // CACHE_BUCKET) * CACHE_BUCKET
                 if window is not None and length <= window:
                     # A call that fits the sliding window keeps a cache no longer than it,
                     # whose window never fills: its steps can run through graphs (see
-                    # ``_slides``).
+                    # ``slides``).
                     bucket = min(bucket, window)
                 kwargs["max_cache_len"] = max(length, min(bucket, positions or bucket))
             return prepare(*args, **kwargs)
@@ -588,7 +439,7 @@ class Generator:
                     hidden.dim() != 3 or mask.shape != hidden.shape[:2]:
                 return model_kwargs
             length = hidden.shape[1]
-            pad = -(-length // _CACHE_BUCKET) * _CACHE_BUCKET - length
+            pad = -(-length // CACHE_BUCKET) * CACHE_BUCKET - length
             self._source_length = length
             if pad:
                 outputs.last_hidden_state = torch.nn.functional.pad(hidden, (0, 0, 0, pad))
@@ -616,16 +467,16 @@ class Generator:
                               f"KV cache in this transformers version, which autoopt's "
                               f"decoding graphs need; call model.generate instead.")
         started = time.perf_counter()
-        reason = _eager_reason(module, kwargs)
+        reason = eager_reason(module, kwargs)
         if reason is None and kwargs.get("streamer") is not None and \
-                _sliding_window(module) is not None:
+                sliding_window(module) is not None:
             # Whether the window fills is known at the first step, after the streamer was
             # given the prompt: running the call again would stream it twice.
             reason = "a streamer with a sliding-window model"
         result = None
         self.stats = GenerationStats()
         # What the cache returned with return_dict_in_generate=True is to be.
-        self._asked_static = _option(module, kwargs, "cache_implementation") == "static"
+        self._asked_static = option(module, kwargs, "cache_implementation") == "static"
         if reason is None:
             self._drop_steps_on_other_weights()
             self._drop_steps_on_other_state()
@@ -676,7 +527,7 @@ class Generator:
                 result = driver.generate(*args, **kwargs)
             except (IndexError, RuntimeError, ModelError) as exc:
                 # (ModelError: a prompt step's capture ran the model on this prompt)
-                clear = _beyond_positions(module, args, kwargs)
+                clear = beyond_positions(module, args, kwargs)
                 if clear is None:
                     raise
                 raise clear from exc

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from autoopt.compile.specialize import EagerRaised, model_device
+from autoopt.compile.compiled import EagerRaised, model_device
 from autoopt.errors import ConfigError, DeviceError, InputError, ModelError
 from autoopt.module.optimized import OptimizedModule
 from autoopt.options import precision as precision_lib

@@ -23,6 +23,7 @@ from torch.fx import GraphModule
 from autoopt.check.inputs import clone_inputs
 from autoopt.check.report import Report
 from autoopt.check.state import has_hooks
+from autoopt.compile.compiled import Compiled, EagerRaised, model_device
 from autoopt.compile.guards import (
     InputSignature,
     current_modes,
@@ -31,7 +32,7 @@ from autoopt.compile.guards import (
     training_flags,
 )
 from autoopt.compile.sizes import varying_sizes
-from autoopt.compile.specialize import Capturer, Compiled, EagerRaised, model_device
+from autoopt.compile.specialize import Capturer
 from autoopt.cost_model import CostModel
 from autoopt.module.concurrency import GATE
 from autoopt.module.watch import ModuleWatch
