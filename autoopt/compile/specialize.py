@@ -103,9 +103,9 @@ class Capturer(EagerProbe):
         self.report = report
         self._dynamic = dynamic
         self._dynamic_shapes = dynamic_shapes
-        # What the first graph of each grad mode measured (None: nothing to reuse), and the
-        # one a capture in progress reuses.
-        self._earlier: dict[bool, Earlier | None] = {}
+        # What the first graph of each mode (grad, autocast, train or eval: ``current_modes``)
+        # measured (None: nothing to reuse), and the one a capture in progress reuses.
+        self._earlier: dict[tuple[Any, ...], Earlier | None] = {}
         self._reusing: Earlier | None = None
 
     def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -257,10 +257,9 @@ class Capturer(EagerProbe):
     def _reusing_choice(self, method: str, args: tuple[Any, ...],
                         kwargs: dict[str, Any]) -> Iterator[None]:
         """Within it, a whole-graph capture of new inputs builds the backend the module's
-        first graph of the same grad mode measured fastest, with the passes that can matter
+        first graph of the same modes measured fastest, with the passes that can matter
         (``reuse``); a Dynamo capture, whose subgraphs have their own candidates, does not."""
-        gradients = needs_gradients(args, kwargs, current_modes(self.module))
-        earlier = self._earlier.get(gradients) if method != "dynamo" else None
+        earlier = self._earlier.get(current_modes(self.module)) if method != "dynamo" else None
         if earlier is None:
             yield
             return
@@ -338,7 +337,8 @@ class Capturer(EagerProbe):
                ) -> tuple[Callable[..., Any], str]:
         """The fastest verified backend's callable for ``gm`` (``aten`` runs ``aten``), and
         its name where it is not ``aten``."""
-        gradients = needs_gradients(args, kwargs, current_modes(self.module))
+        modes = current_modes(self.module)
+        gradients = needs_gradients(args, kwargs, modes)
 
         def lower(config: OptimizeConfig) -> tuple[Callable[..., Any], BackendChoice]:
             return lower_whole_graph(
@@ -362,8 +362,8 @@ class Capturer(EagerProbe):
                 run, choice = lower(dataclasses.replace(self._config, backends=("aten",)))
         if self._reusing is not None:
             self._reusing.note(choice)
-        elif self._config.backend is None and self._earlier.get(gradients) is None:
-            self._earlier[gradients] = Earlier.of(record, choice)
+        elif self._config.backend is None and self._earlier.get(modes) is None:
+            self._earlier[modes] = Earlier.of(record, choice)
         record.backends.append(choice)
         if choice.chosen == "aten":
             return run, ""
