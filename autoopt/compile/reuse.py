@@ -4,8 +4,9 @@ dimension made dynamic): the backend that won and the passes that found nothing 
 The first ``optimize`` of a model builds every backend candidate, verifies and times each
 against eager: most of its time. A later input size of the same module runs the same model on
 the same machine; measuring every candidate again cost more than the first ``optimize`` (the
-Quick start's second batch size: 63 s after a 50 s ``optimize``). So a new signature of the
-same grad mode builds only the backend measured fastest for the first one, skips the passes
+Quick start's second batch size: 63 s after a 50 s ``optimize``). So a new signature in the
+same modes (grad, autocast, train or eval) builds only the backend measured fastest for the
+first one, skips the passes
 that did not apply there (a rewrite looks at the graph's structure, which a new size does not
 change), and, where that backend lowers the graph from before autoopt's own lowerings
 (Inductor, ONNX Runtime, OpenVINO), skips those lowering passes too. The graph is verified
