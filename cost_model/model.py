@@ -343,9 +343,9 @@ class CostModel:
                     with Watch() as watch:
                         self._rounds(candidates, samples, repeats, budget_s, cold, setup)
                     doubt = self._doubt(samples, watch, floor_s)
-                    if attempt == 0 and (doubt or undecided(samples)):
-                        log.info("cost model: measuring %s again: %s", what,
-                                 doubt or undecided(samples))
+                    why = doubt or undecided(samples)
+                    if attempt == 0 and why:
+                        log.info("cost model: measuring %s again: %s", what, why)
                         continue
                     break
             seconds = {name: statistics.median(s) for name, s in samples.items()}

@@ -10,6 +10,7 @@ from torch import nn
 
 from autoopt.check.compare import compare
 from autoopt.check.inputs import input_sets
+from autoopt.cost_model.contention import Sharing, Watch
 
 
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -37,3 +38,15 @@ def assert_same_function(reference: nn.Module, optimized: nn.Module, args: tuple
             actual = optimized(*a, **k)
         result = compare(expected, actual)
         assert result.ok, result.detail
+
+
+def simulated_watch(others: float) -> type[Watch]:
+    """A ``Watch`` that reports, instead of reading the machine, ``others`` of 2 cores kept
+    busy by other processes while this one ran 2 threads: 0.0 a quiet machine, 1.0 a shared
+    one. Patched over ``autoopt.cost_model.model.Watch``."""
+
+    class Simulated(Watch):
+        def __exit__(self, *exc: object) -> None:
+            self.sharing = Sharing(cores=2, others=others, threads=2)
+
+    return Simulated

@@ -72,16 +72,12 @@ def _measurements_on_a_quiet_machine() -> Iterator[None]:
     if os.environ.get("AUTOOPT_TEST_REAL_LOAD") == "1":
         yield
         return
-    from autoopt.cost_model import model as model_module
-    from autoopt.cost_model.contention import Sharing, Watch
+    from checks import simulated_watch
 
-    class Quiet(Watch):
-        def __exit__(self, *exc: object) -> None:
-            self.sharing = Sharing(cores=os.cpu_count() or 1, others=0.0,
-                                   threads=torch.get_num_threads())
+    from autoopt.cost_model import model as model_module
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(model_module, "Watch", Quiet)
+    mp.setattr(model_module, "Watch", simulated_watch(0.0))
     yield
     mp.undo()
 

@@ -17,6 +17,10 @@ from autoopt.cost_model import CostCache, CostModel
 from autoopt.cost_model import model as model_module
 from autoopt.cost_model.contention import Sharing, Watch, undecided
 
+from .checks import simulated_watch
+
+QUIET, BUSY = simulated_watch(0.0), simulated_watch(1.0)
+
 
 def test_sharing_counts_the_cores_other_processes_took_from_this_ones_threads() -> None:
     assert Sharing(cores=2, others=1.0, threads=2).shared  # one of the two cores taken
@@ -44,16 +48,6 @@ def test_samples_that_do_not_decide_say_why() -> None:
     assert "apart, within" in close
 
 
-class Busy(Watch):
-    """A watch on a machine where another process held one of two cores."""
-
-    def __exit__(self, *exc: object) -> None:
-        self.sharing = Sharing(cores=2, others=1.0, threads=2)
-
-
-class Quiet(Watch):
-    def __exit__(self, *exc: object) -> None:
-        self.sharing = Sharing(cores=2, others=0.0, threads=2)
 
 
 def counted(seconds: float, calls: list[str], name: str) -> Any:
@@ -73,7 +67,7 @@ def cost_model(tmp_path: Any) -> CostModel:
 
 def test_a_measurement_on_a_shared_cpu_is_taken_again_then_marked_and_not_served(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model_module, "Watch", Busy)
+    monkeypatch.setattr(model_module, "Watch", BUSY)
     cost, calls = cost_model(tmp_path), []
     candidates = {"a": counted(0.001, calls, "a"), "b": counted(0.004, calls, "b")}
     best, seconds = cost.fastest("op", candidates, repeats=3)
@@ -81,7 +75,7 @@ def test_a_measurement_on_a_shared_cpu_is_taken_again_then_marked_and_not_served
     assert calls.count("a") == 1 + 3 + 3  # warm-up, the rounds, the rounds again
     assert "the CPU was shared" in cost.last_sharing
     assert cost.recorded("op", ["a", "b"]) is None  # the next optimize measures again
-    monkeypatch.setattr(model_module, "Watch", Quiet)
+    monkeypatch.setattr(model_module, "Watch", QUIET)
     calls.clear()
     cost.fastest("op", candidates, repeats=3)
     assert calls.count("a") == 1 + 3 and cost.last_sharing == ""
@@ -90,7 +84,7 @@ def test_a_measurement_on_a_shared_cpu_is_taken_again_then_marked_and_not_served
 
 def test_a_time_below_the_machines_peak_is_measured_again_and_marked(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model_module, "Watch", Quiet)
+    monkeypatch.setattr(model_module, "Watch", QUIET)
     cost, calls = cost_model(tmp_path), []
     candidates = {"a": counted(0.001, calls, "a"), "b": counted(0.004, calls, "b")}
     cost.fastest("op", candidates, repeats=3, floor_s=0.002)
@@ -110,11 +104,11 @@ def test_a_backend_choice_made_on_a_shared_machine_says_so_and_is_made_again(
                               timer=lambda run: run, cost_model=cost, what="g",
                               required=False, gradients=False)
 
-    monkeypatch.setattr(model_module, "Watch", Busy)
+    monkeypatch.setattr(model_module, "Watch", BUSY)
     _, choice = choose()
     assert choice.chosen == "onnxruntime" and "the CPU was shared" in choice.shared
     assert "measured on a shared machine" in choice.describe()
-    monkeypatch.setattr(model_module, "Watch", Quiet)
+    monkeypatch.setattr(model_module, "Watch", QUIET)
     calls.clear()
     _, again = choose()
     assert not again.cached and again.shared == ""  # measured anew, on a quiet machine

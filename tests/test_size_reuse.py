@@ -16,18 +16,11 @@ from torch import nn
 import autoopt
 from autoopt.backends import onnxruntime as ort
 from autoopt.cost_model import model as model_module
-from autoopt.cost_model.contention import Sharing, Watch
 from autoopt.passes import LOWERING
 
+from .checks import simulated_watch
 
-class Quiet(Watch):
-    def __exit__(self, *exc: object) -> None:
-        self.sharing = Sharing(cores=2, others=0.0, threads=2)
-
-
-class Busy(Watch):
-    def __exit__(self, *exc: object) -> None:
-        self.sharing = Sharing(cores=2, others=1.0, threads=2)
+QUIET, BUSY = simulated_watch(0.0), simulated_watch(1.0)
 
 
 def cnn() -> nn.Module:
@@ -54,7 +47,7 @@ def builds(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> list[str]:
 
 def test_a_new_size_builds_only_the_backend_the_first_graph_measured_fastest(
         builds: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model_module, "Watch", Quiet)
+    monkeypatch.setattr(model_module, "Watch", QUIET)
     model = cnn()
     fast = autoopt.optimize(model, (torch.randn(1, 3, 16, 16),),
                             backends=("aten", "onnxruntime"))
@@ -80,12 +73,12 @@ def test_a_new_size_builds_only_the_backend_the_first_graph_measured_fastest(
 
 def test_a_first_choice_measured_on_a_shared_machine_is_not_reused(
         builds: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model_module, "Watch", Busy)
+    monkeypatch.setattr(model_module, "Watch", BUSY)
     model = cnn()
     fast = autoopt.optimize(model, (torch.randn(1, 3, 16, 16),),
                             backends=("aten", "onnxruntime"))
     assert fast.report.captures[0].backends[0].shared
-    monkeypatch.setattr(model_module, "Watch", Quiet)
+    monkeypatch.setattr(model_module, "Watch", QUIET)
     x = torch.randn(4, 3, 16, 16)
     with torch.no_grad():
         torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)

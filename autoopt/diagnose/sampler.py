@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from autoopt.cost_model.contention import proc_stat
 from autoopt.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -144,12 +145,12 @@ class UtilizationSampler:
 
     def _run(self) -> None:
         origin = time.perf_counter()
-        last_wall, last_proc, last_stat = origin, _process_seconds(), _proc_stat()
+        last_wall, last_proc, last_stat = origin, _process_seconds(), proc_stat()
         cores = self.result.cpu_count
         while True:
             # The last sample is taken as the workload ends, so short runs get one too.
             stopping = self._stop.wait(self.interval_s)
-            now, proc, stat = time.perf_counter(), _process_seconds(), _proc_stat()
+            now, proc, stat = time.perf_counter(), _process_seconds(), proc_stat()
             wall = max(now - last_wall, 1e-9)
             process = 100.0 * (proc - last_proc) / wall / cores
             machine = _busy_percent(last_stat, stat)
@@ -166,17 +167,6 @@ def _process_seconds() -> float:
     # CLOCK_PROCESS_CPUTIME_ID: every thread of this process, at ns resolution (os.times
     # counts 10 ms ticks, too coarse for short intervals).
     return time.process_time()
-
-
-def _proc_stat() -> tuple[int, int] | None:
-    """(busy, total) jiffies of all CPUs since boot, or None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return sum(fields) - idle, sum(fields)
 
 
 def _busy_percent(before: tuple[int, int] | None, after: tuple[int, int] | None,
