@@ -47,13 +47,14 @@ print(json.dumps({"optimize_s": optimize_s, "new_s": new_s, "first": first.chose
 
 
 def run(threads: int) -> dict[str, object]:
+    load = os.getloadavg()[0]  # what else the machine ran as this run began
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "XDG_CACHE_HOME": f"{tmp}/xdg",
                "TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor", "AUTOOPT_PROGRESS": "0"}
         env.pop("AUTOOPT_BACKENDS", None)
         done = subprocess.run([sys.executable, "-c", CHILD, str(threads)], env=env,
                               capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "load": load}
 
 
 def table(rows: list[dict[str, object]], threads: int, command: str) -> str:
@@ -62,14 +63,14 @@ def table(rows: list[dict[str, object]], threads: int, command: str) -> str:
              f"{torch.__version__}, Python {platform.python_version()}. Each run: a fresh "
              "process, empty autoopt and Inductor caches; resnet18 optimized at 1×3×64×64 "
              "(the first call included), then called at 4×3×64×64.", "",
-             "| run | optimize s | first call at batch 4 s | ratio | first graph | new size "
-             "| new size measured |", "|---|---|---|---|---|---|---|"]
+             "| run | load (1 min) | optimize s | first call at batch 4 s | ratio | first graph "
+             "| new size | new size measured |", "|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(rows, 1):
         ratio = float(r["new_s"]) / float(r["optimize_s"])
         measured = ", ".join(r["measured"]) or "nothing (the first graph's winner alone)"
         shared = " (first choice measured on a shared CPU: not reused)" if r["shared"] else ""
-        lines.append(f"| {i} | {r['optimize_s']:.1f} | {r['new_s']:.2f} | {ratio:.2f} | "
-                     f"{r['first']}{shared} | {r['second']} | {measured} |")
+        lines.append(f"| {i} | {r['load']:.2f} | {r['optimize_s']:.1f} | {r['new_s']:.2f} | "
+                     f"{ratio:.2f} | {r['first']}{shared} | {r['second']} | {measured} |")
     return "\n".join(lines) + "\n"
 
 
