@@ -85,3 +85,24 @@ def test_a_first_choice_measured_on_a_shared_machine_is_not_reused(
     (choice,) = fast.report.captures[1].backends
     assert set(choice.seconds) == {"aten", "onnxruntime"}  # measured anew
     assert builds == ["onnxruntime", "onnxruntime"]
+
+
+def test_where_the_first_graphs_winner_cannot_build_the_new_one_the_aten_graph_runs(
+        builds: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from autoopt.backends import choice as choice_lib
+
+    monkeypatch.setattr(model_module, "Watch", QUIET)
+    # The measurement pinned: the later candidate, onnxruntime, wins.
+    monkeypatch.setattr(choice_lib, "replaces", lambda seconds, best: True)
+    model = cnn()
+    fast = autoopt.optimize(model, (torch.randn(1, 3, 16, 16),),
+                            backends=("aten", "onnxruntime"))
+    assert fast.report.captures[0].backends[0].chosen == "onnxruntime"
+    monkeypatch.setattr(ort, "available", lambda: "onnxruntime went away")
+    x = torch.randn(4, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)
+    (choice,) = fast.report.captures[1].backends
+    assert choice.chosen == "aten" and choice.seconds == {}
+    assert "onnxruntime went away" in choice.skipped["onnxruntime"]
+    assert "aten" not in choice.skipped  # it runs the graph: not "not measured"

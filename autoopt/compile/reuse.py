@@ -59,11 +59,12 @@ class Earlier:
                                    disable=tuple(sorted({*config.disable, *(skip & known)})))
 
     def note(self, choice: BackendChoice) -> None:
-        """Say in ``choice`` why the other candidates were not measured for this graph."""
+        """Say in ``choice`` why the other candidates were not measured for this graph (the
+        one that runs it, aten where the first graph's winner could not, excepted)."""
         ranked = sorted(self.seconds.items(), key=lambda item: item[1])
         timed = ", ".join(f"{name} {seconds * 1e3:.3g} ms" for name, seconds in ranked)
         for name in self.seconds:
-            if name != self.backend:
+            if name not in (self.backend, choice.chosen):
                 choice.skipped.setdefault(
                     name, f"not measured for these inputs: {self.backend} was measured "
                           f"fastest for {self.inputs} ({timed}); optimize with these inputs "

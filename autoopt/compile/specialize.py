@@ -354,12 +354,13 @@ class Capturer(EagerProbe):
         with memory_profile.stage("backend choice"):
             try:
                 run, choice = lower(self._config)
-            except ConfigError:
+            except ConfigError as exc:
                 if self._reusing is None:
                     raise
                 # The backend the first graph won with cannot run this one: the aten graph,
                 # already verified, does.
                 run, choice = lower(dataclasses.replace(self._config, backends=("aten",)))
+                choice.skipped[self._reusing.backend] = _reason(exc)
         if self._reusing is not None:
             self._reusing.note(choice)
         elif self._config.backend is None and self._earlier.get(modes) is None:
