@@ -53,8 +53,13 @@ against the memory optimize may still add (``optimize_memory``, or what is free:
 ``autoopt.cost_model.allowance``); a linear whose copies would not fit stays on ATen,
 counted as ``kept_for_memory``.
 
-fp32 only, on a CPU build with MKL or oneDNN, not in training (the packed copy is a constant
-that gradients would not reach). It is a lowering: exports take the graph from before it
+fp32 linears, and bf16 ones (``precision="bf16"`` stores their weights in bf16) onto oneDNN
+alone, on a CPU build with MKL or oneDNN, not in training (the packed copy is a constant that
+gradients would not reach). In bf16 ATen's linear is slower than oneDNN's packed one: 1
+thread, an Intel Xeon with AMX, one row, a 768x32000 output projection took 7.5 ms in ATen
+against 2.3 ms packed with the weight in cache, 9.2 against 7.6 ms streamed from memory as a
+decode step reads it (fp32: 8.5 ms and about 12 ms). It is a lowering: exports take the graph
+from before it
 (``autoopt.passes.LOWERING``).
 """
 
@@ -63,14 +68,12 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
@@ -82,175 +85,22 @@ from . import ops
 from .base import PassContext, PassResult
 from .graph import attr, call_kwargs, constant_tensor, has_symbolic_size, meta_val, size_hints
 from .merge_linear import CONCATENATED
+from .packed_kernels import (
+    DTYPES,
+    KERNELS,
+    Concatenation,
+    PackedLinear,
+    available,
+    kernels,
+    kernels_for,
+)
+
+__all__ = ["KERNELS", "PackedLinear", "against_fp32", "available", "kernels", "packed_linear",
+           "weights_outgrow_cache"]
 
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
-
-
-# The packed kernels, in the order ties and the unmeasured default prefer them.
-KERNELS = ("mkl", "onednn")
-
-
-class PackedLinear:
-    """One linear's packed-GEMM call with its packed weight bound: the graph calls this object.
-
-    ``kernel`` is ``"mkl"`` (MKL's packed sgemm) or ``"onednn"`` (oneDNN's linear on a
-    weight reordered into its blocked layout). ``weight`` is in ``F.linear``'s layout
-    ``(out, in)``, possibly a transposed view of the model's own tensor (no copy); for a
-    weight a pass made (``derived``: a merged one), ``onednn`` keeps only its shape (a meta
-    tensor), its packed copy being all it reads. Packed weights
-    are opaque (no storage) and derived from the model's weights, so a deep copy of the graph
-    shares them. On meta or fake tensors (shape propagation, FLOP counting) it computes the same
-    thing with ``F.linear``.
-
-    ``release()`` drops the packed copy (and a merged weight that ``source`` can concatenate
-    again) while another backend is built and measured; ``restore()``, or the next call, packs
-    it again from the same weights.
-    """
-
-    def __init__(self, weight: torch.Tensor, rows: int, kernel: str = "mkl",
-                 derived: bool = False,
-                 source: Callable[[], torch.Tensor] | None = None) -> None:
-        if kernel not in KERNELS:
-            raise ValueError(f"packed_linear: no kernel {kernel!r} (known: {KERNELS})")
-        self.kernel = kernel
-        self.__name__ = f"{kernel}_linear"  # what FX prints and names the call's global
-        self.weight, self.rows, self.source, self.derived = weight, rows, source, derived
-        self.packed: torch.Tensor | None = self._pack()
-        if kernel == "onednn" and derived:
-            # oneDNN runs on the packed copy alone: holding a weight a pass made (a merged
-            # Q/K/V weight) would keep a second copy alive (the user's own costs nothing).
-            self.weight = weight.to("meta")
-        self.threads = torch.get_num_threads()  # what the packing and the choice were made for
-        # The cost model keys measurements by op name and argument shapes; the weight is bound
-        # here, not an argument, so the name carries the kernel and the weight's shape
-        # ("linear" before the bracket names the family).
-        self.__qualname__ = f"linear[{kernel},{'x'.join(map(str, weight.shape))},m{rows}]"
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.device.type == "meta" or isinstance(x, FakeTensor):
-            return F.linear(x, x.new_empty(self.weight.shape), bias)
-        if self.packed is None:
-            self.restore()
-        if self.kernel == "onednn":
-            # oneDNN's blocked layout does not depend on the thread count (measured: a weight
-            # reordered at 1 thread runs as fast at 2 as one reordered at 2), and the kernel
-            # takes any row count.
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-        threads = torch.get_num_threads()
-        if threads != self.threads:
-            # MKL packs for the thread count of the moment: a weight packed at 1 thread runs on
-            # 1 thread only (measured: 2x slower at 2 threads than one packed at 2), so the
-            # weight is packed again for the new count, once.
-            self.packed, self.threads = self._pack(), threads
-        # MKL checks the row count itself: at another count it runs aten.linear on ``weight``.
-        return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, bias, self.rows)
-
-    def release(self) -> int:
-        """Drop the packed copy, and a weight of ours that ``source`` makes again; the bytes
-        dropped (none where it cannot be packed again: a pass's weight with no source)."""
-        if self.packed is None or (self.weight.is_meta and self.source is None):
-            return 0
-        dropped = _bytes(self.weight)
-        self.packed = None
-        if self.source is not None and not self.weight.is_meta:
-            self.weight = self.weight.to("meta")  # a merged copy: concatenated again
-            dropped *= 2
-        return dropped
-
-    def restore(self) -> None:
-        """Pack the weight again (the same layout from the same values: the same results)."""
-        if self.packed is not None:
-            return
-        if self.weight.is_meta:
-            assert self.source is not None, "released without a source"
-            weight = self.source()
-            if self.kernel == "onednn":
-                self.packed = self._pack(weight)
-                return
-            self.weight = weight
-        self.packed, self.threads = self._pack(), torch.get_num_threads()
-
-    def _pack(self, weight: torch.Tensor | None = None) -> torch.Tensor:
-        weight = self.weight if weight is None else weight
-        if self.kernel == "onednn":
-            return _onednn_packed(weight, None if self.derived and self.source is None
-                                  else _identity(self.source, weight))
-        return torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), self.rows)
-
-    def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The same function in ATen, on the unpacked weight."""
-        if self.packed is None:
-            self.restore()
-        assert self.packed is not None
-        weight = self.packed.to_dense() if self.weight.is_meta else self.weight
-        return F.linear(x, weight, bias)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> PackedLinear:
-        return self
-
-    def __repr__(self) -> str:
-        return f"{self.__name__}(weight={tuple(self.weight.shape)}, rows={self.rows})"
-
-
-# oneDNN's packed weights by what they were packed from. The layout depends on the values
-# alone (no row count, no thread count), so every graph of one model (its example call, a
-# decode step, a prompt step) calls one copy. An entry lives as long as some graph holds the
-# copy, and that graph holds the weights it names: their addresses are not reused meanwhile.
-# (A WeakValueDictionary: its entries go when a collection frees a copy, which may happen in
-# the middle of any allocation, with no lock of ours to deadlock on.)
-_SHARED: weakref.WeakValueDictionary[tuple[Any, ...], torch.Tensor] = \
-    weakref.WeakValueDictionary()
-_SAMPLES = 64
-
-
-class _Concatenation:
-    """Makes a merged weight again from the model's weights (a ``source``), which it names."""
-
-    def __init__(self, parts: list[torch.Tensor]) -> None:
-        self.parts = parts
-
-    def __call__(self) -> torch.Tensor:
-        return torch.cat(self.parts)
-
-
-def _identity(source: Callable[[], torch.Tensor] | None,
-              weight: torch.Tensor) -> tuple[Any, ...] | None:
-    """The model's tensors a weight is made from, each by address, layout and version; None
-    where one keeps no version (made under ``inference_mode``): not shared."""
-    tensors = source.parts if isinstance(source, _Concatenation) else [weight]
-    if any(t.is_inference() for t in tensors):
-        return None
-    return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
-                 for t in tensors)
-
-
-def _sample(weight: torch.Tensor) -> torch.Tensor:
-    # A linear's weight is contiguous or the transposed view of one (GPT-2's Conv1D): no copy.
-    flat = (weight if weight.is_contiguous() else weight.t()).detach().reshape(-1)
-    return flat[::max(1, flat.numel() // _SAMPLES)].clone()
-
-
-def _onednn_packed(weight: torch.Tensor, key: tuple[Any, ...] | None) -> torch.Tensor:
-    """``weight`` in oneDNN's blocked layout, the copy another graph holds where one packed
-    the same tensors (same addresses, versions and sampled values: a write through ``.data``
-    bumps no version). ``key`` None: a weight a pass made, packed on its own.
-
-    Without the row-count hint: the layout oneDNN picks for one row streams from memory at 2/3
-    the speed of its default one (GPT-2's layers at 1 thread on an AMD EPYC, weights out of
-    cache: 16.5 against 10.7 ms a token), which is as fast (within 3%) from 4 to 64 rows and
-    faster at 256."""
-    if key is None:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
-    sample = _sample(weight)
-    packed = _SHARED.get(key)
-    if packed is not None and torch.equal(packed.autoopt_sample, sample):
-        return packed
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
-    packed.autoopt_sample = sample  # what it was packed from, sampled
-    _SHARED[key] = packed
-    return packed
 
 
 @dataclass(frozen=True)
@@ -272,28 +122,10 @@ class _Linear:
         return PackedLinear(self.weight, self.rows, name, self.derived, self.source)
 
 
-def kernels(device: torch.device) -> tuple[str, ...]:
-    """The packed kernels this PyTorch build has for ``device``, in ``KERNELS``' order."""
-    if device.type != "cpu":
-        return ()
-    found = {
-        "mkl": torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"),
-        "onednn": (torch.backends.mkldnn.is_available()
-                   and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-                   and hasattr(torch.ops.mkldnn, "_linear_pointwise")),
-    }
-    return tuple(k for k in KERNELS if found[k])
-
-
-def available(device: torch.device) -> bool:
-    """Some packed linear (MKL's or oneDNN's) exists in this build and the target is the CPU."""
-    return bool(kernels(device))
-
-
 def packed_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
-    """Rewrite fp32 linear layers with constant weights (``linear``, and ``addmm``/``mm`` on a
-    constant right-hand matrix) to a packed GEMM (MKL's or oneDNN's) on a weight packed once,
-    where the cost model measures one faster than ATen.
+    """Rewrite fp32 (and bf16) linear layers with constant weights (``linear``, and
+    ``addmm``/``mm`` on a constant right-hand matrix) to a packed GEMM (MKL's or oneDNN's; bf16
+    oneDNN's alone) on a weight packed once, where the cost model measures one faster than ATen.
 
     Options (``pass_options={"packed_linear": {...}}``): ``measure`` (default True) lets the
     cost model choose per shape among ATen and every packed kernel this build has; False (or no
@@ -330,7 +162,9 @@ def packed_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
                 continue
         else:
             usable = _usable(linear, candidates)
-            kernel = linear.kernel(default if default in usable or not usable else usable[0])
+            if not usable:
+                continue
+            kernel = linear.kernel(default if default in usable else usable[0])
         with graph.inserting_before(node):
             fused = graph.call_function(kernel, (linear.input, linear.bias))
         fused.meta = dict(node.meta)
@@ -373,10 +207,10 @@ def _measure_first(gm: GraphModule, ctx: PassContext, candidates: tuple[str, ...
 
 def _eligible(gm: GraphModule, node: Node, cold: bool = False,
               lazy: bool = False) -> _Linear | None:
-    """The linear's parts, if MKL's packed GEMM computes exactly what the node does: an fp32
-    input whose row sizes are static or symbolic with a traced value (``dynamic``) and whose
-    width is static, a constant 2-D fp32 weight, a constant bias of the output's width (or
-    none), and for ``addmm`` no scaling (``beta = alpha = 1``)."""
+    """The linear's parts, if a packed GEMM computes exactly what the node does: an fp32 (or
+    bf16) input whose row sizes are static or symbolic with a traced value (``dynamic``) and
+    whose width is static, a constant 2-D weight of its dtype, a constant bias of the output's
+    width (or none) and dtype, and for ``addmm`` no scaling (``beta = alpha = 1``)."""
     # ATen level: a lowering pass, run on export graphs, reading ATen's argument names.
     if node.op != "call_function" or node.target not in (ops.LINEAR | ops.ADDMM | ops.MM).aten:
         return None
@@ -398,14 +232,14 @@ def _eligible(gm: GraphModule, node: Node, cold: bool = False,
         derived, source = rhs is not None and is_read_only(rhs), None
     value = meta_val(x)
     shape = size_hints(value)
-    if (weight is None or weight.dim() != 2 or weight.dtype != torch.float32
+    if (weight is None or weight.dim() != 2 or weight.dtype not in DTYPES
             or weight.is_mkldnn or shape is None
-            or value.dtype != torch.float32 or value.dim() < 1 or value.device.type != "cpu"
+            or value.dtype != weight.dtype or value.dim() < 1 or value.device.type != "cpu"
             or not is_concrete_int(value.shape[-1]) or shape[-1] != weight.shape[1]):
         return None
     if bias is not None:
         b = constant_tensor(gm, bias)
-        if b is None or b.dtype != torch.float32 or tuple(b.shape) != (weight.shape[0],):
+        if b is None or b.dtype != weight.dtype or tuple(b.shape) != (weight.shape[0],):
             return None
     rows = math.prod(shape[:-1])
     if rows == 0:
@@ -430,22 +264,23 @@ def _constant_weight(gm: GraphModule, node: Any, lazy: bool = False,
             if lazy:
                 return torch.cat([p.detach().to("meta") for p in parts]), True, None
             # The model's weights: holding them is free.
-            source = _Concatenation([p.detach() for p in parts])
+            source = Concatenation([p.detach() for p in parts])
             return source(), True, source
     return None, False, None
 
 
 def _what(linear: _Linear, bias: bool) -> str:
     """The cost model's name for this linear's kernel choice."""
-    return (f"linear|{linear.shape}|{tuple(linear.weight.shape)}|{torch.float32}|bias={bias}"
+    return (f"linear|{linear.shape}|{tuple(linear.weight.shape)}|{linear.weight.dtype}|bias={bias}"
             + ("|cold" if linear.cold else "") + ("|dynamic" if linear.dynamic else ""))
 
 
 def _usable(linear: _Linear, candidates: tuple[str, ...]) -> tuple[str, ...]:
-    """The kernels that serve this linear at every row count it may see: MKL's packed GEMM
-    runs only at the row count it packed for (``aten.linear`` at any other), so a symbolic
-    count leaves oneDNN, whose blocked weight serves any."""
-    return tuple(k for k in candidates if k != "mkl") if linear.dynamic else candidates
+    """The kernels that serve this linear at every row count it may see and in its dtype: MKL's
+    packed GEMM runs only at the row count it packed for (``aten.linear`` at any other), so a
+    symbolic count leaves oneDNN, whose blocked weight serves any; MKL's is fp32 only."""
+    return tuple(k for k in candidates if k in kernels_for(linear.weight.dtype)
+                 and not (k == "mkl" and linear.dynamic))
 
 
 def _copies(ctx: PassContext, linear: _Linear, candidates: tuple[str, ...],
@@ -491,7 +326,7 @@ def against_fp32(gm: GraphModule, ctx: PassContext, node: Node, name: str,
     """
     candidates = kernels(ctx.device)
     linear = _eligible(gm, node, cold)
-    if linear is None or ctx.cost is None:
+    if linear is None or ctx.cost is None or linear.weight.dtype != torch.float32:
         return None
     candidates = _usable(linear, candidates)
     bias = attr(gm, linear.bias) if linear.bias is not None else None
@@ -575,7 +410,7 @@ def _choose(gm: GraphModule, ctx: PassContext, linear: _Linear,
         best = chosen[what]
         return None if best == "aten" else linear.kernel(best.removesuffix("_packed"))
     candidates = _usable(linear, candidates)
-    x = torch.randn(linear.shape, dtype=torch.float32)
+    x = torch.randn(linear.shape, dtype=linear.weight.dtype)
     # Cold: each run sweeps copies of the weight that together outgrow the last-level cache,
     # as a decoder's step streams its layers (a single call after evicting the cache measured
     # ATen ahead at 768x768, one row; in the model and in a sweep oneDNN ran 1.2-1.4x faster).

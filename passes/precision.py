@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +81,10 @@ DEFAULT_TOLERANCE = {"bf16": 2e-2, "fp16": 1e-2, "int8": 5e-2, "int4": 0.9}
 # decode step's single token, are reported but would judge by one or two near-ties).
 MIN_AGREEMENT = {"int8": 0.95, "int4": 0.90}
 MIN_POSITIONS = 16
+# Ends the note of a decoder's graph that int8/int4 measured slower on (its prompt's many rows
+# per weight): the model's decode steps, one row each, are measured and judged by their own
+# graphs (``options.precision.check_applied`` does not raise for this graph alone).
+DECODE_DECIDES = "a decode step's graph measures its own linears"
 # The same for a training step (outputs and gradients against eager fp32): what autocast itself
 # errs by, with margin. Measured, train-mode resnet18 from random init, batch 8: autocast bf16
 # 3.8% on outputs, 3.6% on gradients in verification's units (tiny GPT-2: 0.4%), over 2e-2.
@@ -357,23 +361,37 @@ def _int8(gm: GraphModule, ctx: PassContext, tolerance: float,
         return PassResult(gm, False, note=why_no_candidate(gm, precision, ctx.options))
     slow = slower_than_fp32(gm, ctx, candidates)
     nodes = [n for n in candidates if n.name not in slow]
-    if not nodes:
-        first = next(iter(slow.values()), "").removeprefix(slower(precision))
-        return PassResult(gm, False, note=(
-            f"{precision} measured slower than fp32 on each of the {len(slow)} linear(s) (the "
-            f"first: {first}); pass_options={{'precision': {{'force': True}}}} quantizes "
-            f"anyway, or drop precision=") if slow else "")
     # Unmeasured: the precision's first kernel that fits (the kernel option's, if given).
     unmeasured = {n.name: next(k for k in KERNELS[precision] if k in
-                               kernels_for(gm, n, precision, ctx.options)) for n in nodes}
-    kernel_of = {n.name: n.meta.get(KERNEL, unmeasured[n.name]) for n in nodes}
-    names, kinds = [n.name for n in nodes], [_kind(n) for n in nodes]
+                               kernels_for(gm, n, precision, ctx.options)) for n in candidates}
+    kernel_of = {n.name: n.meta.get(KERNEL, unmeasured[n.name]) for n in candidates}
     group = group_size(ctx.options)
     logits = logits_outputs(gm, is_linear)
     packed: dict[Any, Any] = {}  # quantized weights, packed once for all trials and the result
 
     def run(chosen: set[str]) -> Interpreter:
         return Int8Interpreter(gm, {n: kernel_of[n] for n in chosen}, packed, group)
+
+    if not nodes:
+        first = next(iter(slow.values()), "").removeprefix(slower(precision))
+        why = (f"{precision} measured slower than fp32 on each of the {len(slow)} linear(s) "
+               f"(the first: {first})")
+        if slow and logits:
+            # A decoder's forward over a prompt: at many rows per weight the quantized kernels
+            # lose, at a decode step's one row they read a quarter or an eighth of fp32's
+            # bytes (int4 forced on every linear of a 134M Llama-style decoder: 3.6x eager's
+            # tokens/s, where at the 32-row example it measured 1.5x slower). Its decode steps
+            # measure for themselves; their quality is judged here, on all the positions.
+            with preserved(gm):
+                measure = _Measure(gm, ctx.example_inputs)
+                agreed = agreement(measure.references[0],
+                                   measure._run(run(set(kernel_of)), measure.sets[0]), logits)
+            refusal = _agreement_refusal(precision, agreed, ctx.options)
+            return PassResult(gm, False, note=refusal or f"{why} here; {DECODE_DECIDES}")
+        return PassResult(gm, False, note=(
+            f"{why}; pass_options={{'precision': {{'force': True}}}} quantizes anyway, or drop "
+            f"precision=") if slow else "")
+    names, kinds = [n.name for n in nodes], [_kind(n) for n in nodes]
 
     with preserved(gm):
         measure = _Measure(gm, ctx.example_inputs)
@@ -399,15 +417,10 @@ def _int8(gm: GraphModule, ctx: PassContext, tolerance: float,
         return PassResult(gm, False, note=(
             f"each linear in {precision} errs past the tolerance {tolerance:g}: pass a larger "
             f"tolerance=, or drop precision="))
+    refusal = _agreement_refusal(precision, agreed, ctx.options)
+    if refusal:
+        return PassResult(gm, False, note=refusal)
     required = float(ctx.options.get("min_agreement", MIN_AGREEMENT[precision]))
-    if agreed is not None and agreed.positions >= MIN_POSITIONS \
-            and agreed.decided < required:
-        other = ("precision='int8'" if precision == "int4" else "precision='bf16'")
-        accept = math.floor(agreed.decided * 100) / 100  # rounded down: accepted when passed
-        return PassResult(gm, False, note=(
-            f"{precision}'s {agreement_line(agreed, required)}, below the required "
-            f"{required:.0%}: use {other}, or drop precision= for fp32, or accept it with "
-            f"pass_options={{'precision': {{'min_agreement': {accept:g}}}}}"))
     kept.update(slow)
     op_names = {n.name: _op(n) for n in gm.graph.nodes}
     chosen = {n: kernel_of[n] for n in names if n in low}
@@ -423,6 +436,20 @@ def _int8(gm: GraphModule, ctx: PassContext, tolerance: float,
         agreement=agreed, min_agreement=required)
     return PassResult(gm, True, {f"{precision}_linear": replaced, "kept_fp32": len(kept),
                                  **{f"{k}_kernel": c for k, c in counts.items()}})
+
+
+def _agreement_refusal(precision: str, agreed: Agreement | None,
+                       options: Mapping[str, Any]) -> str | None:
+    """Why ``precision`` is refused for its next-token agreement with fp32, or None where it
+    agrees enough or too few positions judge it."""
+    required = float(options.get("min_agreement", MIN_AGREEMENT[precision]))
+    if agreed is None or agreed.positions < MIN_POSITIONS or agreed.decided >= required:
+        return None
+    other = ("precision='int8'" if precision == "int4" else "precision='bf16'")
+    accept = math.floor(agreed.decided * 100) / 100  # rounded down: accepted when passed
+    return (f"{precision}'s {agreement_line(agreed, required)}, below the required "
+            f"{required:.0%}: use {other}, or drop precision= for fp32, or accept it with "
+            f"pass_options={{'precision': {{'min_agreement': {accept:g}}}}}")
 
 
 class _Measure:

@@ -283,6 +283,80 @@ def test_int4_applies_to_a_decoder_and_to_generate_s_steps() -> None:
     assert all(p.agreement is not None for p in steps)
 
 
+def _slower_above_one_row(gm: GraphModule, ctx: Any, nodes: Any) -> dict[str, str]:
+    """``slower_than_fp32`` as an Intel Xeon with AMX measured int4 on a Llama-style decoder:
+    slower than fp32 at a prompt's 32 rows per weight, 3-5x faster at a decode step's one."""
+    from autoopt.passes.graph import meta_val
+    from autoopt.passes.precision_int8 import slower
+
+    def rows(node: Any) -> int:
+        return int(torch.Size(meta_val(node.args[0]).shape[:-1]).numel())
+
+    return {n.name: f"{slower('int4')}300 us against 200 us (mkl)" for n in nodes
+            if rows(n) > 1}
+
+
+def test_int4_slower_at_a_prompt_s_rows_runs_in_the_decode_steps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """int4 was refused by optimize on an Intel Xeon with AMX: measured slower than fp32 on
+    each linear at the example prompt's 32 rows, although a decode step at one row ran 3.3x
+    eager's tokens/s in int4. A decoder's forward that int4 is slower on runs fp32, its
+    quality judged there on all its positions; the decode steps measure for themselves and
+    run int4; the prompt step runs its graph in fp32. Where the decode step is slower too,
+    the first generate raises; where the agreement is too low, optimize does."""
+    from autoopt.passes import precision as precision_pass
+    from autoopt.passes.precision import DECODE_DECIDES
+
+    monkeypatch.setattr(precision_pass, "slower_than_fp32", _slower_above_one_row)
+    model = _llama()
+    ids = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        fast = autoopt.optimize(model, (ids,), precision="int4",
+                                pass_options={"precision": {"min_agreement": 0.0}})
+        (record,) = [r for r in fast.report.captures[0].passes if r.name == "precision"]
+        assert record.status == "unchanged" and fast.report.captures[0].precision is None
+        found = re.match(r"int4 measured slower than fp32 on each of the (\d+) linear\(s\) "
+                         r"\(the first: 300 us against 200 us \(mkl\)\) here; ", record.reason)
+        assert found and record.reason.endswith(DECODE_DECIDES), record.reason
+        linears = int(found.group(1))
+        assert DECODE_DECIDES in str(fast.report)
+        torch.testing.assert_close(fast(ids).logits, model(ids).logits)  # fp32: faster here
+        first = fast.generate(ids, max_new_tokens=6, do_sample=False)
+        second = fast.generate(ids, max_new_tokens=6, do_sample=False)
+    assert first.shape == (1, 22) and torch.equal(first[:, :16], ids)
+    stats = fast.generation_stats
+    assert stats.eager_steps == 0 and stats.graph_steps == 6 and stats.note == ""
+    steps = {r.captures[0].inputs: r.captures[0].precision for r in fast._generator.reports}
+    assert len(steps) == 2
+    # The decode step: every linear in int4 (Q/K/V may be merged there). The prompt step:
+    # only its output head, which generate runs on the last position alone (one row).
+    prompt, decode = sorted(steps.values(), key=lambda p: p.low_ops)
+    assert prompt.low_ops == 1 and len(prompt.kept) == linears - 1
+    assert decode.low_ops > 1 and decode.kept == () and decode.precision == "int4"
+    assert second.shape == first.shape
+
+    # Slower at one row too: the decode step's graph refuses, and the first generate says so.
+    monkeypatch.setattr(precision_pass, "slower_than_fp32", lambda gm, ctx, nodes: {
+        n.name: "int4 measured slower than fp32 here: 300 us against 200 us (mkl)"
+        for n in nodes})
+    with torch.no_grad():
+        slow = autoopt.optimize(model, (ids,), precision="int4",
+                                pass_options={"precision": {"min_agreement": 0.0}})
+        with pytest.raises(ConfigError, match="int4 measured slower than fp32 on each of the"):
+            slow.generate(ids, max_new_tokens=6, do_sample=False)
+
+    # The quality is judged on the forward's positions, with every linear in int4.
+    with torch.no_grad(), pytest.raises(ConfigError, match="refused for this model: int4's "
+                                                           "next-token agreement"):
+        autoopt.optimize(model, (torch.randint(0, 256, (2, 16)),), {"use_cache": False},
+                         precision="int4", pass_options={"precision": {"min_agreement": 1.0}})
+    # A model that does not generate: raised by optimize, as before.
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                              torch.nn.Linear(64, 8)).eval()
+    with torch.no_grad(), pytest.raises(ConfigError, match="'force': True"):
+        autoopt.optimize(mlp, (torch.randn(4, 64),), precision="int4")
+
+
 def test_agreement_below_the_threshold_refuses_the_precision() -> None:
     """int4 on a tiny random Llama agrees with fp32 on most next tokens but not all: asked for
     all, optimize refuses, saying what it measured, what was required and what to pass."""

@@ -324,7 +324,7 @@ class Capturer(EagerProbe):
         if self.report.captures[0] is record:  # the example's: precision= decided now, not
             from autoopt.options.precision import check_applied  # after minutes timing backends
 
-            check_applied(self._config, Report([record]))
+            check_applied(self._config, Report([record]), self.module)
         run = self._unless_unimproved(self._cuda_graph(gm, args, kwargs, record), record)
         run, backend = self._lower(gm, run, args, kwargs, record, None)
         return Compiled(signature_of(args, kwargs, self.module, gm), "export", run,

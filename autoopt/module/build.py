@@ -94,7 +94,7 @@ def capture_example(optimized: OptimizedModule, args: tuple[Any, ...],
             raise ModelError(f"the model raised {type(exc.original).__name__} when run eagerly "
                              f"on the example inputs: {exc.original}. Check the inputs' number, "
                              f"shapes and dtypes against the model's forward.") from exc.original
-    precision_lib.check_applied(optimized.config, optimized.report)
+    precision_lib.check_applied(optimized.config, optimized.report, optimized.module)
     return optimized
 
 

@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from autoopt.cost_model.dtype_speed import matmul_flops
 from autoopt.errors import ConfigError
-from autoopt.passes.precision import DEFAULT_TRAINING_TOLERANCE, LOW_DTYPES
+from autoopt.passes.precision import DECODE_DECIDES, DEFAULT_TRAINING_TOLERANCE, LOW_DTYPES
 from autoopt.passes.precision_int8 import KERNELS
 from autoopt.passes.weight_only import GROUPS
 
@@ -139,15 +139,23 @@ def autocast_tolerance(cfg: OptimizeConfig, model: torch.nn.Module, args: tuple[
     return dataclasses.replace(cfg, tolerance=2 * error)
 
 
-def check_applied(cfg: OptimizeConfig, report: Report) -> None:
+def check_applied(cfg: OptimizeConfig, report: Report, module: torch.nn.Module | None = None,
+                  ) -> None:
     """Raise where ``precision=`` was asked for but no captured graph runs in it: the
-    measurement or the tolerance decided against every op, or the capture cannot take it."""
+    measurement or the tolerance decided against every op, or the capture cannot take it.
+
+    A decoder (``module`` generates, or is a prompt step of one) whose graph int8/int4
+    measured slower on at its many rows per weight, but whose quality agreed, runs that graph
+    in fp32: its decode steps measure for themselves, and the first ``generate`` raises where
+    they run no faster either."""
     if cfg.precision in (None, "fp32") or "precision" in cfg.disable:
         return
     if any(c.precision is not None for c in report.captures):
         return
     why = {r.reason for c in report.captures for r in c.passes
            if r.name == "precision" and r.reason}
+    if why and all(DECODE_DECIDES in w for w in why) and decodes_elsewhere(module):
+        return
     methods = {c.method for c in report.captures}
     if methods - {"export"}:
         attempts = "; ".join(f"{m}: {w}" for c in report.captures for m, w in c.attempts)
@@ -176,6 +184,17 @@ def check_applied(cfg: OptimizeConfig, report: Report) -> None:
                       f"would run in fp32: drop precision= for that"
                       + (", or" if not force else ",")
                       + f" pass a larger tolerance= where the error decided{force}.")
+
+
+# Set on a generator's prompt-step module: its decode steps decide whether a precision applies.
+PROMPT_STEP = "autoopt_prompt_step"
+
+
+def decodes_elsewhere(module: torch.nn.Module | None) -> bool:
+    """Whether ``module``'s graphs are not the ones a decoder's precision is judged by: a
+    model with transformers' ``generate`` (its decode steps are), or a prompt step of one."""
+    return module is not None and (callable(getattr(module, "generate", None))
+                                   or bool(getattr(module, PROMPT_STEP, False)))
 
 
 def export_config(config: OptimizeConfig | Mapping[str, Any] | None, precision: str | None,
