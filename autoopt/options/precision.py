@@ -17,7 +17,12 @@ from torch.utils import _pytree as pytree
 
 from autoopt.cost_model.dtype_speed import matmul_flops
 from autoopt.errors import ConfigError
-from autoopt.passes.precision import DECODE_DECIDES, DEFAULT_TRAINING_TOLERANCE, LOW_DTYPES
+from autoopt.passes.precision import (
+    DECODE_DECIDES,
+    DECODER_TOLERANCE,
+    DEFAULT_TRAINING_TOLERANCE,
+    LOW_DTYPES,
+)
 from autoopt.passes.precision_int8 import KERNELS
 from autoopt.passes.weight_only import GROUPS
 
@@ -59,6 +64,7 @@ def check_target(cfg: OptimizeConfig, device: torch.device | None, training: boo
                               f"the model is on {device}: its kernels are CPU ones. Use "
                               f"precision='fp16' or 'bf16' there.")
         return cfg
+    _check_min_agreement(cfg.pass_options.get("precision", {}))
     dtype = LOW_DTYPES[precision]
     if training and cfg.tolerance is None:
         cfg = dataclasses.replace(cfg, tolerance=DEFAULT_TRAINING_TOLERANCE[precision])
@@ -89,6 +95,10 @@ def _check_quantized_options(precision: str, options: Mapping[str, Any]) -> None
     if group is not None and group not in GROUPS:
         raise ConfigError(f"pass_options={{'precision': {{'group_size': {group!r}}}}}: int4's "
                           f"group size is one of {list(GROUPS)}")
+    _check_min_agreement(options)
+
+
+def _check_min_agreement(options: Mapping[str, Any]) -> None:
     least = options.get("min_agreement")
     if least is not None and (isinstance(least, bool) or not isinstance(least, (int, float))
                               or not 0 <= least <= 1):
@@ -137,6 +147,17 @@ def autocast_tolerance(cfg: OptimizeConfig, model: torch.nn.Module, args: tuple[
     log.info("precision %s: autocast itself errs %.3g on the example inputs: tolerance %.3g",
              cfg.precision, error, 2 * error)
     return dataclasses.replace(cfg, tolerance=2 * error)
+
+
+def decoder_tolerance(cfg: OptimizeConfig, model: torch.nn.Module, training: bool,
+                      ) -> OptimizeConfig:
+    """For inference of a model that generates, under a tolerance not the user's: the
+    decoder's (``DECODER_TOLERANCE``), its next-token agreement (``MIN_AGREEMENT``) judging
+    the precision. The step graphs ``generate`` builds take the same config."""
+    if training or cfg.tolerance is not None or "precision" in cfg.disable \
+            or cfg.precision not in DECODER_TOLERANCE or not decodes_elsewhere(model):
+        return cfg
+    return dataclasses.replace(cfg, tolerance=DECODER_TOLERANCE[cfg.precision])
 
 
 def check_applied(cfg: OptimizeConfig, report: Report, module: torch.nn.Module | None = None,
