@@ -16,7 +16,8 @@ batch 1 and 8. Runners, interleaved per round, medians over rounds:
 - ``eager``: ``model.generate`` (dynamic KV cache, transformers' default);
 - ``compile``: transformers' documented recipe, ``generation_config.cache_implementation =
   "static"`` and ``model.forward = torch.compile(model.forward)``;
-- ``autoopt``: ``autoopt.optimize(model, (ids,)).generate(...)``, and with ``precision="int8"``
+- ``autoopt``: ``autoopt.optimize(model, (ids,)).generate(...)``, with ``precision="bf16"``
+  (bf16 weights, oneDNN's packed bf16 linears where measured faster), ``precision="int8"``
   (each linear in int8 where its error fits, with the int8 kernel, dynamic or weight-only,
   that measures fastest, fp32 where that does) and ``precision="int4"`` (weight-only, groups
   of 32) on the CPU; with ``--int8-forced`` also ``autoopt int8 forced``:
@@ -186,7 +187,7 @@ def set_up(label: str, model: nn.Module, ids: torch.Tensor,
         words = label.split()  # "autoopt", "autoopt int8", "autoopt int8 forced"
         precision = words[1] if len(words) > 1 else None
         # int8/int4 timed whatever their agreement: the table shows it.
-        chosen = {"min_agreement": 0.0} if precision in ("int8", "int4") else {}
+        chosen = {"min_agreement": 0.0} if precision in ("bf16", "int8", "int4") else {}
         if words[-1] == "forced":
             chosen["force"] = True
         options = {"precision": chosen} if chosen else None
@@ -253,7 +254,8 @@ def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
     else:
         runners["compile"] = synced(recipe, device)
     low = "int8" if device.type == "cpu" else "bf16"  # int8 and int4 are CPU kernels
-    labels = ("autoopt", f"autoopt {low}") + (("autoopt int4",) if low == "int8" else ()) + (
+    labels = ("autoopt",) + (("autoopt bf16", "autoopt int8", "autoopt int4")
+                             if low == "int8" else ("autoopt bf16",)) + (
         (f"autoopt {low} forced",) if int8_forced else ())
     for label in labels:
         print(f"[{name} b{batch}] {label}: optimize and two generate calls", flush=True)
@@ -294,6 +296,7 @@ def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
                          forced=forced[label][0] if label in forced else None,
                          logit_error=forced[label][1] if label in forced else None,
                          roofline=batch * bytes_per_s / read,
+                         of_roofline=t.decode_tokens_per_s / (batch * bytes_per_s / read),
                          setup=setup[label] - t.total_s if label in setup else None,
                          cold=cold_s.get(label), weights_mib=weights / 2**20))
     return rows
@@ -315,7 +318,7 @@ def table(rows: list[dict[str, Any]], threads: int, command: str, bytes_per_s: f
         f"eager's new tokens the runner also ranks first given eager's prefix (its own generate "
         f"with eager's tokens forced at each step by a logits processor; low-precision rows, "
         f"with the largest logit error there; "
-        f"int8 and int4 rows pass min_agreement=0, so that a precision the agreement would "
+        f"bf16, int8 and int4 rows pass min_agreement=0, so that a precision the agreement would "
         f"refuse is timed). Setup = the time until every graph "
         f"is ready: optimize or compile plus two calls, less one call's median time (autoopt's "
         f"first call runs the prompt step eagerly to size the cache, its second captures the "
@@ -324,13 +327,13 @@ def table(rows: list[dict[str, Any]], threads: int, command: str, bytes_per_s: f
             "caches, less a third call there (a new user's first run)." if cold else "."),
         "",
         "| model | batch | runner | first token ms | decode tokens/s | vs eager | roofline "
-        "tokens/s | new tokens = eager's | next token = eager's | largest logit error | "
-        "setup s |" + (" cold setup s |" if cold else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cold else "")]
+        "tokens/s | of roofline | new tokens = eager's | next token = eager's | largest logit "
+        "error | setup s |" + (" cold setup s |" if cold else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cold else "")]
     for r in rows:
         if "failed" in r:
             lines.append(f"| {r['model']} ({r['weights_mib']:.0f} MiB) | {r['batch']} | "
-                         f"{r['runner']} | failed: {r['failed']} | | | | | | | |"
+                         f"{r['runner']} | failed: {r['failed']} | | | | | | | | |"
                          + (" |" if cold else ""))
             continue
         setup = f"{r['setup']:.1f}" if r["setup"] is not None else "-"
@@ -341,7 +344,7 @@ def table(rows: list[dict[str, Any]], threads: int, command: str, bytes_per_s: f
                  f" {found or '-'} |") if cold else ""
         lines.append(f"| {r['model']} ({r['weights_mib']:.0f} MiB) | {r['batch']} | "
                      f"{r['runner']} | {r['first_ms']:.1f} | {r['decode']:.1f} | "
-                     f"{r['speedup']:.2f}× | {r['roofline']:.0f} | "
+                     f"{r['speedup']:.2f}× | {r['roofline']:.0f} | {r['of_roofline']:.0%} | "
                      f"{r['same']:.1%} | {forced} | {logit_error} | {setup} |{first}")
     return "\n".join(lines) + "\n"
 
