@@ -23,8 +23,11 @@ weights' own rounding. Scales and zeros are stored in bf16 too, and the dequanti
 (``dequantize_int8``/``dequantize_int4``) uses the same rounded values.
 
 ATen's int8 kernel crashes the process (segmentation fault, torch 2.14) where the input width
-is not a multiple of 16, and its int4 packing needs an output width that is a multiple of 16:
-such linears are not candidates (``int8_weight_fits``, ``int4_fits``).
+is not a multiple of 16: such linears are not candidates (``int8_weight_fits``). Its int4
+packing needs an output width that is a multiple of 16: other weights are packed with zero
+rows up to one and the product sliced back (GPT-2's 50257-wide output head, a third of its
+weights, had stayed fp32 and int4 decoded at 2.0x eager where the Llama-style model's ran at
+3.3x).
 """
 
 from __future__ import annotations
@@ -61,9 +64,10 @@ class Int8Weight:
 class Int4Weight:
     """An ``(out, in)`` weight in int4, packed for ``_weight_int4pack_mm_for_cpu``."""
 
-    packed: torch.Tensor  # uint8, (out, in / 2)
+    packed: torch.Tensor  # uint8, (padded out, in / 2)
     group: int
-    scale_zeros: torch.Tensor  # bf16, (in / group, out, 2): scale and zero of each group
+    scale_zeros: torch.Tensor  # bf16, (in / group, padded out, 2): scale and zero per group
+    out: int  # the output width: the kernel's product has ``padded out`` columns, sliced
 
 
 def int8_weight_fits(weight: torch.Tensor) -> bool:
@@ -71,15 +75,13 @@ def int8_weight_fits(weight: torch.Tensor) -> bool:
 
 
 def int4_fits(weight: torch.Tensor, group: int) -> bool:
-    return (weight.dim() == 2 and weight.shape[0] % _INT4_OUT_MULTIPLE == 0
-            and weight.shape[1] % group == 0)
+    return weight.dim() == 2 and weight.shape[1] % group == 0
 
 
 def widths_needed(kernel: str, group: int = DEFAULT_GROUP) -> str:
     """What a linear's widths must be for ``kernel`` (``int8_weight`` or ``int4``), in words."""
     if kernel == "int4":
-        return (f"an output width that is a multiple of {_INT4_OUT_MULTIPLE} and an input "
-                f"width that is a multiple of the group size {group}")
+        return f"an input width that is a multiple of the group size {group}"
     return f"an input width that is a multiple of {_INT8_IN_MULTIPLE}"
 
 
@@ -113,12 +115,17 @@ def _int4_codes(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.T
 def quantize_int4(weight: torch.Tensor, group: int = DEFAULT_GROUP) -> Int4Weight:
     """Asymmetric int4 of an fp32 ``(out, in)`` weight in groups of ``group`` input features."""
     if not int4_fits(weight, group):
-        raise ValueError(f"int4 needs an output width that is a multiple of "
-                         f"{_INT4_OUT_MULTIPLE} and an input width that is a multiple of the "
-                         f"group size {group}; got a weight of {tuple(weight.shape)}")
+        raise ValueError(f"int4 needs an input width that is a multiple of the group size "
+                         f"{group}; got a weight of {tuple(weight.shape)}")
     codes, scale_zeros = _int4_codes(weight, group)
+    out = codes.shape[0]
+    pad = -out % _INT4_OUT_MULTIPLE
+    if pad:  # zero rows (code 8 at scale and zero 0): the kernel's extra columns, sliced off
+        codes = torch.cat([codes, codes.new_full((pad, codes.shape[1]), 8)])
+        scale_zeros = torch.cat([scale_zeros, scale_zeros.new_zeros(
+            (scale_zeros.shape[0], pad, 2))], dim=1)
     packed = aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    return Int4Weight(packed, group, scale_zeros)
+    return Int4Weight(packed, group, scale_zeros, out)
 
 
 def dequantize_int4(weight: torch.Tensor, group: int = DEFAULT_GROUP) -> torch.Tensor:
@@ -139,7 +146,7 @@ def linear(x: torch.Tensor, weight: Int8Weight | Int4Weight,
         y = aten._weight_int8pack_mm(rows, weight.q, weight.scales)
     else:
         y = aten._weight_int4pack_mm_for_cpu(rows, weight.packed, weight.group,
-                                             weight.scale_zeros)
+                                             weight.scale_zeros)[:, :weight.out]
     y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
     return y if bias is None else y + bias
 
@@ -194,9 +201,12 @@ def emit(gm: GraphModule, node: Node, x: Node, weight: Int8Weight | Int4Weight,
         y = _call(graph, aten._weight_int8pack_mm.default,
                   (low, attrs["q"], attrs["scales"]), y_flat_val.to(torch.bfloat16))
     else:
+        padded = weight.scale_zeros.shape[1]
         y = _call(graph, aten._weight_int4pack_mm_for_cpu.default,
                   (low, attrs["packed"], weight.group, attrs["scale_zeros"]),
-                  y_flat_val.to(torch.bfloat16))
+                  y_flat_val.new_empty((y_flat_val.shape[0], padded), dtype=torch.bfloat16))
+        if padded != out:
+            y = _call(graph, aten.slice.Tensor, (y, 1, 0, out), y_flat_val.to(torch.bfloat16))
     y = _call(graph, aten._to_copy.default, (y,), y_flat_val, {"dtype": y_val.dtype})
     if flat:
         y = _call(graph, aten.reshape.default, (y, _sizes(graph, x, x_val.shape[:-1]) + [out]),

@@ -105,11 +105,37 @@ def test_bf16_inputs_that_are_views_reach_the_kernels_as_their_rows(offset: int)
 
 
 def test_shapes_the_kernels_cannot_take_are_no_candidates() -> None:
-    assert not weight_only.int4_fits(torch.zeros(50, 64), 32)  # output width not 16k
     assert not weight_only.int4_fits(torch.zeros(32, 48), 32)  # input width not a group
     assert not weight_only.int8_weight_fits(torch.zeros(32, 40))  # ATen's kernel would crash
-    with pytest.raises(ValueError, match="multiple of 16"):
-        weight_only.quantize_int4(torch.zeros(50, 64))
+    with pytest.raises(ValueError, match="multiple of the group size 32"):
+        weight_only.quantize_int4(torch.zeros(32, 48))
+
+
+def test_an_output_width_int4_cannot_pack_is_padded_and_sliced_back() -> None:
+    """ATen packs int4 in tiles of 16 output channels: GPT-2's 50257-wide output head (a third
+    of its weights) stayed fp32. Zero rows pad it to a tile; the product is sliced back, as
+    the eager call and the graph's nodes compute it."""
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(50, 64), torch.randn(50), torch.randn(2, 3, 64)
+    assert weight_only.int4_fits(weight, 32)
+    packed = weight_only.quantize_int4(weight, 32)
+    assert packed.out == 50 and packed.scale_zeros.shape == (2, 64, 2)
+    expected = F.linear(x.bfloat16().float(), weight_only.dequantize_int4(weight, 32), bias)
+    got = weight_only.linear(x, packed, bias)
+    assert got.shape == (2, 3, 50)
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
+    # In a graph: the pass's nodes, on a model whose head is 50 wide.
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 50)).eval()
+    with torch.no_grad():
+        gm = capture.export_graph(model, (x,), {})
+    result = cast_precision(gm, PassContext((x,), options={"precision": "int4", "force": True,
+                                                           "tolerance": 0.9}))
+    assert result.counts["int4_linear"] == 2
+    with torch.no_grad():
+        out, want = result.graph_module(x), model(x)
+    assert out.shape == (2, 3, 50)
+    torch.testing.assert_close(out, want, rtol=0.0, atol=0.3 * float(want.abs().max()))
 
 
 # --- each kernel on tiny decoders, verified ---------------------------------------------------
@@ -410,17 +436,17 @@ def test_bad_quantization_options_are_config_errors() -> None:
 _FORCE = {"precision": {"force": True}}
 
 
-def _cnn() -> torch.nn.Module:  # its one linear: 10 outputs, not a multiple of 16
+def _cnn() -> torch.nn.Module:  # its one linear: 2160 inputs, not a multiple of 32
     return torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(),
-                               torch.nn.Conv2d(16, 16, 3), torch.nn.Flatten(),
-                               torch.nn.Linear(16 * 12 * 12, 10))
+                               torch.nn.Conv2d(16, 15, 3), torch.nn.Flatten(),
+                               torch.nn.Linear(15 * 12 * 12, 10))
 
 
 @pytest.mark.parametrize(("model", "x", "precision", "options", "says"), [
     (_cnn, (2, 3, 16, 16), "int4", _FORCE,
-     r"no linear layer fits the int4 kernel, which needs an output width that is a multiple of "
-     r"16 and an input width that is a multiple of the group size 32: this model's \(out, in\) "
-     r"are \(10, 2304\); int4 is weight-only for linear layers, and this model's multiply-adds "
+     r"no linear layer fits the int4 kernel, which needs an input width that is a multiple of "
+     r"the group size 32: this model's \(out, in\) "
+     r"are \(10, 2160\); int4 is weight-only for linear layers, and this model's multiply-adds "
      r"are mostly in convolutions\. Use precision='int8' \(any width\), precision='bf16', or "
      r"drop precision=\.$"),
     (lambda: torch.nn.Sequential(torch.nn.Linear(30, 50), torch.nn.ReLU(),
