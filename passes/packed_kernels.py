@@ -82,7 +82,7 @@ class PackedLinear:
         dropped (none where it cannot be packed again: a pass's weight with no source)."""
         if self.packed is None or (self.weight.is_meta and self.source is None):
             return 0
-        dropped = self.weight.numel() * self.weight.element_size()
+        dropped = self.weight.nbytes
         self.packed = None
         if self.source is not None and not self.weight.is_meta:
             self.weight = self.weight.to("meta")  # a merged copy: concatenated again

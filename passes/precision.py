@@ -258,9 +258,8 @@ def cast_precision(gm: GraphModule, ctx: PassContext) -> PassResult:
         else:
             low, kept, error = choose(names, error_of, _MARGIN * tolerance, kinds)
             logits = logits_outputs(gm, is_linear)
-            agreed = agreement(measure.references[0], measure._run(
-                CastInterpreter(gm, low, dtype, params, wide, mixed), measure.sets[0]),
-                logits) if low and logits else None
+            agreed = measure.agreement(CastInterpreter(gm, low, dtype, params, wide, mixed),
+                                       logits) if low and logits else None
             refusal = _agreement_refusal(precision, agreed, ctx.options)
             if refusal:
                 return PassResult(gm, False, note=refusal)
@@ -296,8 +295,8 @@ def cast_precision(gm: GraphModule, ctx: PassContext) -> PassResult:
     gm.meta["precision"] = PrecisionSummary(
         precision, tolerance, error, len(low), tuple(kept_ops), plan.casts,
         plan.params_stored_low, measure.trials, measure.masked_sets, plan.clamped, ctx.training,
-        low_ops, agreement=agreed, min_agreement=float(ctx.options.get(
-            "min_agreement", MIN_AGREEMENT[precision])) if agreed is not None else None)
+        low_ops, agreement=agreed,
+        min_agreement=_required(precision, ctx.options) if agreed is not None else None)
     return PassResult(gm, True, {f"{precision}_ops": len(low), "casts": plan.casts,
                                  "kept_fp32": len(kept) + len(refused)})
 
@@ -399,9 +398,9 @@ def _int8(gm: GraphModule, ctx: PassContext, tolerance: float,
             # tokens/s, where at the 32-row example it measured 1.5x slower). Its decode steps
             # measure for themselves; their quality is judged here, on all the positions.
             with preserved(gm):
-                measure = _Measure(gm, ctx.example_inputs)
-                agreed = agreement(measure.references[0],
-                                   measure._run(run(set(kernel_of)), measure.sets[0]), logits)
+                # Judged on the example alone: no masked copies, whose error nothing reads.
+                measure = _Measure(gm, ctx.example_inputs, masked=False)
+                agreed = measure.agreement(run(set(kernel_of)), logits)
             refusal = _agreement_refusal(precision, agreed, ctx.options)
             return PassResult(gm, False, note=refusal or f"{why} here; {DECODE_DECIDES}")
         return PassResult(gm, False, note=(
@@ -427,8 +426,7 @@ def _int8(gm: GraphModule, ctx: PassContext, tolerance: float,
                 low, kept, error = retry
             else:
                 kernel_of = first
-        agreed = agreement(measure.references[0], measure._run(run(low), measure.sets[0]),
-                           logits) if low and logits else None
+        agreed = measure.agreement(run(low), logits) if low and logits else None
     if not low:
         return PassResult(gm, False, note=(
             f"each linear in {precision} errs past the tolerance {tolerance:g}: pass a larger "
@@ -436,7 +434,7 @@ def _int8(gm: GraphModule, ctx: PassContext, tolerance: float,
     refusal = _agreement_refusal(precision, agreed, ctx.options)
     if refusal:
         return PassResult(gm, False, note=refusal)
-    required = float(ctx.options.get("min_agreement", MIN_AGREEMENT[precision]))
+    required = _required(precision, ctx.options)
     kept.update(slow)
     op_names = {n.name: _op(n) for n in gm.graph.nodes}
     chosen = {n: kernel_of[n] for n in names if n in low}
@@ -454,11 +452,16 @@ def _int8(gm: GraphModule, ctx: PassContext, tolerance: float,
                                  **{f"{k}_kernel": c for k, c in counts.items()}})
 
 
+def _required(precision: str, options: Mapping[str, Any]) -> float:
+    """The next-token agreement required: the ``min_agreement`` option's, or the default."""
+    return float(options.get("min_agreement", MIN_AGREEMENT[precision]))
+
+
 def _agreement_refusal(precision: str, agreed: Agreement | None,
                        options: Mapping[str, Any]) -> str | None:
     """Why ``precision`` is refused for its next-token agreement with fp32, or None where it
     agrees enough or too few positions judge it."""
-    required = float(options.get("min_agreement", MIN_AGREEMENT[precision]))
+    required = _required(precision, options)
     if agreed is None or agreed.positions < MIN_POSITIONS or agreed.decided >= required:
         return None
     other = {"int4": "use precision='int8', or ", "int8": "use precision='bf16', or "}.get(
@@ -471,14 +474,16 @@ def _agreement_refusal(precision: str, agreed: Agreement | None,
 
 class _Measure:
     """Runs candidate graphs on the example inputs, and on copies of them with masked
-    positions (``masked_variants``), and compares them with the fp32 graph.
+    positions (``masked_variants``; not with ``masked`` False), and compares them with the
+    fp32 graph.
 
     One snapshot (the caller's ``preserved``) covers all runs: what they write (BatchNorm
     statistics in training) does not reach the outputs compared, and a snapshot per run would
     copy every folded weight each time.
     """
 
-    def __init__(self, gm: GraphModule, example_inputs: Sequence[Any]) -> None:
+    def __init__(self, gm: GraphModule, example_inputs: Sequence[Any],
+                 masked: bool = True) -> None:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         if len(example_inputs) != len(placeholders):
             raise ValueError("the precision pass measures on the example inputs, but they do "
@@ -489,7 +494,7 @@ class _Measure:
         self.trials = 0
         self.sets = [tuple(example_inputs)]
         self.references = [self._run(Interpreter(gm), self.sets[0])]
-        for inputs in masked_variants(self.sets[0]):
+        for inputs in masked_variants(self.sets[0]) if masked else ():
             try:
                 reference = self._run(Interpreter(gm), inputs)
             except Exception as e:  # noqa: BLE001 - not a mask after all (an index, a size)
@@ -515,6 +520,11 @@ class _Measure:
                 if worst == math.inf:
                     return worst
         return worst
+
+    def agreement(self, candidate: Interpreter, logits: Sequence[int]) -> Agreement | None:
+        """``candidate``'s next-token agreement with the fp32 graph on the example inputs, over
+        the logits leaves ``logits`` (``logits_outputs``)."""
+        return agreement(self.references[0], self._run(candidate, self.sets[0]), logits)
 
     def _run(self, interpreter: Interpreter, inputs: tuple[Any, ...]) -> list[Any]:
         """The output leaves, then the inputs the graph wrote (after the outputs, so the
