@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
+from autoopt.backends import static_int8
 from autoopt.backends.base import Backend, Lowering, WholeGraph
 from autoopt.capture import objects
 from autoopt.cost_model.isolation import written_placeholders
@@ -99,7 +100,8 @@ def _plain_tensor(value: Any) -> bool:
 
 def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
           expected: Any, device: torch.device,
-          exports: onnx_graph.Exports | None = None) -> OrtGraph:
+          exports: onnx_graph.Exports | None = None,
+          quantize: Callable[[Path, list[str]], Path] | None = None) -> OrtGraph:
     """``gm`` exported to ONNX and opened in an ONNX Runtime session on ``device``.
 
     Args:
@@ -107,6 +109,8 @@ def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str
         forward: the model's forward, which names the ONNX inputs.
         expected: the model's output on ``(args, kwargs)``.
         exports: keeps the exported file for another runtime of the same choice.
+        quantize: writes the file an int8 one (QDQ), given the input names, and returns
+            the new file's path (static int8).
     """
     # The exporter takes the keywords in the graph's own order (its forward's parameters, as
     # captured); given in another, it named each ONNX input after another's tensor.
@@ -116,6 +120,9 @@ def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str
     threads = torch.get_num_threads() if device.type == "cpu" else None
 
     def open_file(path: Path) -> OnnxSession:
+        if quantize is not None:
+            with memory_profile.stage("onnxruntime quantize"):
+                path = quantize(path, input_names)
         with memory_profile.stage("onnxruntime session"):
             return onnx_session(path, device, threads=threads)
 
@@ -249,6 +256,8 @@ class OnnxRuntime(Backend):
             "values and cannot" if written_placeholders(source) else
             f"no ONNX Runtime provider for {device.type}" if device.type not in _PROVIDERS
             else unsupported_dtypes(source, device))
+        if graph.config.calibration is not None:
+            return why or _static_int8(graph)
         if why:
             return why
         return Lowering(self.name, lambda: graph.warm(lower(
@@ -257,3 +266,26 @@ class OnnxRuntime(Backend):
 
 
 BACKEND = OnnxRuntime()
+
+
+def _static_int8(graph: WholeGraph) -> Lowering:
+    """The fp32 graph's ONNX file quantized (QDQ) on the calibration batches, in a session."""
+    source, made = graph.source, {}
+    folder = static_int8.int8_folder()
+
+    def quantize(path: Path, input_names: list[str]) -> Path:
+        batches = static_int8.feeds(graph.config.calibration, source, input_names,
+                                    graph.args, graph.kwargs)
+        out = static_int8.ort_quantize(path, batches, Path(folder.name))
+        made["summary"] = static_int8.Summary("onnxruntime", static_int8.onnx_ops(out))
+        return out
+
+    def build() -> OrtGraph:
+        run = lower(source, graph.module.forward, graph.args, graph.kwargs, graph.expected(),
+                    graph.device, graph.exports, quantize)
+        run.int8 = made["summary"]
+        run.int8_folder = folder  # the session maps the file: kept while the session lives
+        return graph.warm(run)
+
+    return Lowering("onnxruntime", build, memory=3 * memory_estimate(source),
+                    regions=lambda: made["summary"].describe(graph.config.precision_tolerance))

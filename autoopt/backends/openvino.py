@@ -25,12 +25,13 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.fx import GraphModule
 
+from autoopt.backends import static_int8
 from autoopt.backends.base import Backend, Lowering, WholeGraph
 from autoopt.backends.onnxruntime import OrtGraph, lookups
 from autoopt.cost_model.isolation import written_placeholders
@@ -96,34 +97,43 @@ def _array(t: torch.Tensor) -> Any:
 
 def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
           expected: Any, device: torch.device, precision: str = "fp32",
-          exports: onnx_graph.Exports | None = None) -> OrtGraph:
+          exports: onnx_graph.Exports | None = None,
+          quantize: Callable[[Any, list[str]], Any] | None = None) -> OrtGraph:
     """``gm`` exported to ONNX (or read from the ONNX cache) and compiled by OpenVINO.
 
     Args:
         gm: the graph to export (taking ``(args, kwargs)``).
         forward: the model's forward, which names the ONNX inputs.
         expected: the model's output on ``(args, kwargs)``.
-        precision: ``fp32`` or ``bf16``: OpenVINO's inference precision hint.
+        precision: ``fp32`` or ``bf16``: OpenVINO's inference precision hint; ``int8``:
+            the model ``quantize`` returns, at OpenVINO's default precision elsewhere.
         exports: where ONNX Runtime's candidate left the same graph's file, if it did.
+        quantize: makes the model read from the file an int8 one (NNCF), given the input
+            names (static int8).
     """
     kwargs = in_forward_order(gm.forward, kwargs)
     input_names = name_inputs(forward, args, kwargs)
     output_names = name_outputs(expected)
     threads = torch.get_num_threads()
-    config = {"INFERENCE_PRECISION_HINT": HINTS[precision],
-              "INFERENCE_NUM_THREADS": threads,
-              "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1}
+    config = {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY",
+              "NUM_STREAMS": 1}
+    if precision in HINTS:
+        config["INFERENCE_PRECISION_HINT"] = HINTS[precision]
 
     def compile_file(path: Any) -> OvSession:
         ov_core = core()
+        model = ov_core.read_model(str(path))
+        if quantize is not None:
+            with memory_profile.stage("nncf quantize"):
+                model = quantize(model, input_names)
         with memory_profile.stage("openvino compile"):
-            compiled = ov_core.compile_model(ov_core.read_model(str(path)), "CPU", config)
+            compiled = ov_core.compile_model(model, "CPU", config)
         return OvSession(compiled, precision, threads, input_names)
 
     session = onnx_graph.opened(gm, args, kwargs, input_names, output_names, device, expected,
                                 compile_file, "openvino", exports)
     run = OrtGraph(session, input_names, expected, list(kwargs), lookups(gm, input_names))
-    log.info("openvino: compiled in %s with %d threads", HINTS[precision], threads)
+    log.info("openvino: compiled in %s with %d threads", precision, threads)
     return run
 
 
@@ -215,6 +225,8 @@ class OpenVino(Backend):
         precision, source = precision_of(graph)
         why = unsupported(source, graph.device, graph.gradients, graph.adapt is not None,
                           bool(written_placeholders(source)))
+        if graph.config.calibration is not None:
+            return why or static_int8.nncf_available() or _static_int8(graph)
         if why:
             return why
         return Lowering(self.name, lambda: graph.warm(lower(
@@ -224,6 +236,26 @@ class OpenVino(Backend):
 
 
 BACKEND = OpenVino()
+
+
+def _static_int8(graph: WholeGraph) -> Lowering:
+    """The fp32 graph quantized by NNCF on the calibration batches, compiled by OpenVINO."""
+    source, made = graph.source, {}
+
+    def quantize(model: Any, input_names: list[str]) -> Any:
+        batches = static_int8.feeds(graph.config.calibration, source, input_names,
+                                    graph.args, graph.kwargs)
+        return static_int8.nncf_quantize(model, batches, static_int8.is_transformer(source))
+
+    def build() -> OrtGraph:
+        run = lower(source, graph.module.forward, graph.args, graph.kwargs, graph.expected(),
+                    graph.device, "int8", graph.exports, quantize)
+        run.int8 = made["summary"] = static_int8.Summary(
+            "openvino", static_int8.openvino_ops(run.session.compiled))
+        return graph.warm(run)
+
+    return Lowering("openvino", build, memory=3 * memory_estimate(source),
+                    regions=lambda: made["summary"].describe(graph.config.precision_tolerance))
 
 
 def precision_of(graph: WholeGraph) -> tuple[str, GraphModule]:

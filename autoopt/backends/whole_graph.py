@@ -19,16 +19,18 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
-from autoopt.backends import offers, openvino
+from autoopt.backends import offers, openvino, static_int8
 from autoopt.backends import onnxruntime as ort
 from autoopt.backends.base import WholeGraph
 from autoopt.backends.choice import choose_backend
 from autoopt.check.compare import VerifyResult
 from autoopt.check.inputs import clone_inputs
 from autoopt.check.report import BackendChoice
+from autoopt.check.state import preserved
 from autoopt.cost_model import CostModel
 from autoopt.cost_model.estimate import value_spec
 from autoopt.cost_model.isolation import written_placeholders
+from autoopt.errors import ConfigError
 from autoopt.options.config import OptimizeConfig
 from autoopt.passes.graph import portable, release_packed, restore_packed
 
@@ -60,7 +62,14 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
                        gradients, dynamic, memory_plan,
                        packed={"release": functools.partial(release_packed, gm),
                                "restore": functools.partial(restore_packed, gm)})
-    lowerings, skipped = offers(config.candidate_backends, "whole_graph", graph)
+    names = config.candidate_backends
+    static = config.calibration is not None
+    if static:  # int8 with calibration runs on the engines that quantize with it, or nowhere
+        names = tuple(n for n in names if n in static_int8.ENGINES)
+    lowerings, skipped = offers(names, "whole_graph", graph)
+    if static:
+        skipped.update({n: static_int8.declined(n) for n in config.candidate_backends
+                        if n not in names})
 
     writes_inputs = bool(written_placeholders(gm))
 
@@ -82,13 +91,41 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
         return step
 
     what = identity(gm, graph.source, args, kwargs, gradients, dynamic, config.backend_options)
+    if static:
+        what += f"|static-int8|{config.calibration.fingerprint()}"
     with graph.exports:
-        return choose_backend("whole graph", lowerings, skipped, verify=verify, timer=timer,
-                              cost_model=cost_model, what=what,
-                              required=config.backend is not None, gradients=gradients,
-                              state=[module], reference=module,
-                              floor_s=functools.partial(floor_seconds, cost_model, graph.source,
-                                                        config.precision, gradients))
+        try:
+            run, choice = choose_backend(
+                "whole graph", lowerings, skipped, verify=verify, timer=timer,
+                cost_model=cost_model, what=what, required=config.backend is not None,
+                gradients=gradients, state=[module], reference=module,
+                floor_s=functools.partial(floor_seconds, cost_model, graph.source,
+                                          config.precision, gradients))
+        except ConfigError:
+            if not static:
+                raise
+            reasons = {n: why for n, why in skipped.items() if n in static_int8.ENGINES}
+            reasons = reasons or {n: why for n, why in skipped.items()}
+            raise static_int8.refusal(graph.source, config.calibration, args, kwargs,
+                                      config.precision_tolerance, reasons) from None
+    if static:
+        _unseen(run, module, config, args, kwargs, choice)
+    return run, choice
+
+
+def _unseen(run: Callable[..., Any], module: nn.Module, config: OptimizeConfig,
+            args: tuple[Any, ...], kwargs: dict[str, Any], choice: BackendChoice) -> None:
+    """The chosen int8 engine's error on inputs calibration never saw (the example inputs and
+    the batches held out), and a classifier's top-1 agreement with fp32 on those batches, in
+    the choice's report line."""
+    summary = getattr(run, "int8", None)
+    if summary is None:
+        return
+    held = config.calibration.like(args, kwargs).held_out
+    with preserved(module):
+        summary.error, summary.agreement = static_int8.unseen(
+            run, module, [clone_inputs(args, kwargs), *held])
+    choice.regions = summary.describe(config.precision_tolerance)
 
 
 def floor_seconds(cost_model: CostModel, source: GraphModule, precision: str | None,

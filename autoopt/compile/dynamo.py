@@ -60,7 +60,7 @@ def autoopt_backend(gm: GraphModule, example_inputs: Sequence[Any], *,
         t.requires_grad for t in tensors), cost=CostModel(device),
         options=config.resolved_pass_options)
     optimized, records = run_pipeline(gm, config.passes, ctx, check if config.verify else None,
-                                      disabled=config.disable, debug=config.debug)
+                                      disabled=config.disabled_passes, debug=config.debug)
     label = f"subgraph {record.subgraphs + 1}" if record is not None else "subgraph"
     run, choice = lower_subgraph(optimized, example_inputs, inputs, label=label, config=config,
                                  cost_model=ctx.cost, verify=check if config.verify else None,

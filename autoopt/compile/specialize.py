@@ -464,7 +464,7 @@ class Capturer(EagerProbe):
                           self._config.resolved_pass_options)
         optimized, records = run_pipeline(gm, self._config.passes, ctx,
                                           check if self._config.verify else None,
-                                          disabled=self._config.disable,
+                                          disabled=self._config.disabled_passes,
                                           debug=self._config.debug)
         record.passes = records
         record.nodes_after = len(optimized.graph.nodes)

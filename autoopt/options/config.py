@@ -13,8 +13,9 @@ import torch
 from autoopt.check.compare import Tolerance
 from autoopt.errors import ConfigError
 from autoopt.options.backends import BACKENDS, BACKENDS_VARIABLE, INDUCTOR_OPTIONS
+from autoopt.options.calibration import calibration
 from autoopt.options.memory import parse_budget, parse_modes
-from autoopt.passes import PIPELINE, PassFn
+from autoopt.passes import LOWERING, PIPELINE, PassFn
 from autoopt.passes.precision import DEFAULT_TOLERANCE, PRECISIONS
 
 CAPTURE_METHODS = ("export", "symbolic_trace", "dynamo")
@@ -58,6 +59,11 @@ class OptimizeConfig:
             step that would need more (a packed or merged copy of weights, a backend
             candidate, eager's outputs kept between verification checks) is left out or done
             one at a time, and the report says so.
+        calibration: with ``precision="int8"``: batches of inputs (an iterable of input
+            tuples, or a ``DataLoader``) to calibrate static int8 on: convolutions and matrix
+            multiplies run in int8 with activation scales fixed from them, by the engines'
+            own quantizers (see ``autoopt.backends.static_int8``). None: int8 is dynamic,
+            for linears only.
     """
 
     disable: tuple[str, ...] = ()
@@ -85,6 +91,7 @@ class OptimizeConfig:
     backends: tuple[str, ...] | None = None
     backend_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     optimize_memory: int | float | str | None = None
+    calibration: Any = None  # static int8's batches (autoopt.options.calibration)
 
     def __post_init__(self) -> None:
         # None for a collection option means none, as leaving it out does.
@@ -137,6 +144,7 @@ class OptimizeConfig:
                                   f"report='report.html'; got {self.report!r}")
             object.__setattr__(self, "report", str(self.report))
         _check_precision(self.precision, self.tolerance)
+        _check_calibration(self)
         _check_backends(self)
 
     @property
@@ -162,10 +170,20 @@ class OptimizeConfig:
         """Each pass's options: the user's, and for the precision pass the precision and its
         tolerance."""
         options = {name: dict(opts) for name, opts in self.pass_options.items()}
-        if self.low_precision:
+        if self.calibration is not None:  # static int8: the engines quantize, not the pass
+            options.setdefault("precision", {}).update(precision=None)
+        elif self.low_precision:
             options.setdefault("precision", {}).update(precision=self.precision,
                                                        tolerance=self.precision_tolerance)
         return options
+
+    @property
+    def disabled_passes(self) -> tuple[str, ...]:
+        """The passes not to run: the user's, and under static int8 the lowerings onto
+        autoopt's own kernels, which the engines that quantize never run."""
+        if self.calibration is None:
+            return self.disable
+        return tuple(dict.fromkeys((*self.disable, *sorted(LOWERING))))
 
     @property
     def optimize_memory_limit(self) -> int | float | None:
@@ -235,6 +253,18 @@ def _check_precision(precision: Any, tolerance: Any) -> None:
         if precision in (None, "fp32"):
             raise ConfigError(f"tolerance={tolerance!r} is the error allowed under reduced "
                               f"precision; pass precision='bf16', 'fp16', 'int8' or 'int4' with it")
+
+
+def _check_calibration(config: OptimizeConfig) -> None:
+    if config.calibration is None:
+        return
+    if config.precision != "int8":
+        raise ConfigError(f"calibration= gives static int8 its activation ranges; pass "
+                          f"precision='int8' with it (got precision={config.precision!r})")
+    if config.devices is not None:
+        raise ConfigError("calibration= (static int8) runs on one CPU engine; it cannot be "
+                          "combined with devices= (pipeline stages run on aten)")
+    object.__setattr__(config, "calibration", calibration(config.calibration))
 
 
 def _check_backends(config: OptimizeConfig) -> None:

@@ -171,13 +171,16 @@ def check_applied(cfg: OptimizeConfig, report: Report, module: torch.nn.Module |
     they run no faster either."""
     if cfg.precision in (None, "fp32") or "precision" in cfg.disable:
         return
-    if any(c.precision is not None for c in report.captures):
+    static = cfg.calibration is not None  # every export graph's engine quantized, or raised
+    if not static and any(c.precision is not None for c in report.captures):
         return
     why = {r.reason for c in report.captures for r in c.passes
            if r.name == "precision" and r.reason}
     if why and all(DECODE_DECIDES in w for w in why) and decodes_elsewhere(module):
         return
     methods = {c.method for c in report.captures}
+    if static and not methods - {"export"}:
+        return
     if methods - {"export"}:
         attempts = "; ".join(f"{m}: {w}" for c in report.captures for m, w in c.attempts)
         raise ConfigError(f"precision='{cfg.precision}' cannot apply: the model was captured by "

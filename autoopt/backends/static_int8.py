@@ -1,0 +1,242 @@
+"""Static int8 (``precision="int8", calibration=batches``) on the engines that have it.
+
+Each engine's own post-training quantizer calibrates the graph from before autoopt's
+lowerings on the user's batches, and the engine runs what it made; ``choose_backend`` then
+verifies each result against eager (the example inputs and fresh random ones, which
+calibration never saw) under int8's tolerance and keeps the fastest, as for every precision:
+
+- ``openvino``: NNCF (``nncf.quantize``) on the OpenVINO model read from autoopt's ONNX file:
+  FakeQuantize ops that OpenVINO's CPU plugin fuses into its int8 convolutions and matrix
+  multiplies (AMX or VNNI where the CPU has them); what stays in floating point runs at
+  OpenVINO's default precision, as its own int8 deployments do;
+- ``onnxruntime``: ONNX Runtime's static QDQ quantizer (``quantize_static``: uint8
+  activations per tensor, int8 weights per channel, as it recommends on x86), whose
+  QuantizeLinear/DequantizeLinear pairs its CPU provider fuses into integer kernels.
+
+autoopt writes no quantizer of its own: its part is the choice, the verification, the report
+(which ops run in int8, where, the error beside the tolerance, a classifier's top-1
+agreement on the batches held out of calibration) and the refusal when no engine's int8
+stays within the tolerance, naming the ops that err (``passes/int8_sensitivity``).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import importlib.metadata
+import logging
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+from torch.utils import _pytree as pytree
+
+from autoopt.errors import ConfigError
+from autoopt.onnx.signature import flat_tensors, in_forward_order
+from autoopt.options.calibration import Calibration
+from autoopt.passes import int8_sensitivity
+
+log = logging.getLogger(__name__)
+
+# The engines that quantize with calibration, and their quantizer.
+ENGINES = {"openvino": "NNCF", "onnxruntime": "ONNX Runtime's QDQ quantizer"}
+
+
+def declined(name: str) -> str:
+    """Why backend ``name`` is not a static int8 candidate."""
+    return (f"no calibrated int8 kernels (static int8 runs on "
+            f"{' and '.join(f'{e} ({q})' for e, q in ENGINES.items())})")
+
+
+def nncf_available() -> str:
+    try:
+        importlib.metadata.version("nncf")
+    except importlib.metadata.PackageNotFoundError:
+        return "NNCF is not installed (pip install nncf): OpenVINO's int8 needs its quantizer"
+    return ""
+
+
+def feeds(calibration: Calibration, gm: GraphModule, input_names: Sequence[str],
+          args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+    """The calibration batches the quantizers observe, as numpy arrays by ONNX input name,
+    shaped like ``(args, kwargs)`` (the graph's own inputs)."""
+    out = []
+    for a, k in calibration.like(args, kwargs).fit:
+        tensors = flat_tensors(a, in_forward_order(gm.forward, k), input_names)
+        out.append({name: t.detach().cpu().contiguous().numpy() for name, t in tensors.items()})
+    return out
+
+
+def is_transformer(gm: GraphModule) -> bool:
+    """Whether ``gm`` holds attention (a softmax beside a layer norm): NNCF's transformer
+    scheme then keeps the ops int8 errs at most in floating point."""
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    return any("softmax" in t for t in targets) and any("layer_norm" in t for t in targets)
+
+
+def nncf_quantize(model: Any, batches: list[dict[str, Any]], transformer: bool) -> Any:
+    """``model`` (an OpenVINO model) quantized by NNCF on ``batches``, every batch used."""
+    import nncf
+
+    names = {name for port in model.inputs for name in port.get_names()}
+    data = [{k: v for k, v in batch.items() if k in names} for batch in batches]
+    size = sum(next(iter(b.values())).shape[0] if b and next(iter(b.values())).ndim else 1
+               for b in data)
+    options: dict[str, Any] = {"subset_size": max(1, size)}
+    if transformer:
+        options["model_type"] = nncf.ModelType.TRANSFORMER
+    return nncf.quantize(model, nncf.Dataset(data), **options)
+
+
+def ort_quantize(path: Path, batches: list[dict[str, Any]], folder: Path) -> Path:
+    """The ONNX file at ``path`` quantized (QDQ) by ONNX Runtime on ``batches``, written
+    in ``folder``."""
+    import onnx
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+
+    names = {i.name for i in onnx.load(str(path), load_external_data=False).graph.input}
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self._batches = iter([{k: v for k, v in b.items() if k in names} for b in batches])
+
+        def get_next(self) -> dict[str, Any] | None:
+            return next(self._batches, None)
+
+    out = folder / "int8.onnx"
+    # Its advice to pre-process (shape inference, fusions) goes to the root logger at each
+    # call: the session's own optimizations fuse what the advice is about.
+    with _quiet_root():
+            quantize_static(str(path), str(out), Reader(), quant_format=QuantFormat.QDQ,
+                        per_channel=True, activation_type=QuantType.QUInt8,
+                        weight_type=QuantType.QInt8, use_external_data_format=True)
+    return out
+
+
+@contextlib.contextmanager
+def _quiet_root() -> Iterator[None]:
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(max(level, logging.ERROR))
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
+def int8_folder() -> tempfile.TemporaryDirectory[str]:
+    return tempfile.TemporaryDirectory(prefix="autoopt-int8-", ignore_cleanup_errors=True)
+
+
+def openvino_ops(compiled: Any) -> dict[str, int]:
+    """The ops OpenVINO's CPU plugin runs in int8, by layer type, counted from its runtime
+    model (what it executes, after fusing the FakeQuantize ops into its kernels)."""
+    counts: collections.Counter[str] = collections.Counter()
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        try:
+            precision = str(info["runtimePrecision"].astype(str)).lower()
+            kind = str(info["layerType"].astype(str))
+        except Exception:  # noqa: BLE001 - a runtime model without the plugin's annotations
+            continue
+        if precision in ("u8", "i8") and kind in _OPENVINO_HEAVY:
+            counts[kind] += 1
+    return dict(counts)
+
+
+_OPENVINO_HEAVY = {"Convolution", "GroupConvolution", "FullyConnected", "MatMul",
+                   "Deconvolution", "ScaledDotProductAttention"}
+
+
+def onnx_ops(path: Path) -> dict[str, int]:
+    """The ops of a QDQ file that read dequantized int8 values (which ONNX Runtime runs as
+    integer kernels), by op type."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    dequantized = {o for n in model.graph.node if n.op_type == "DequantizeLinear"
+                   for o in n.output}
+    counts: collections.Counter[str] = collections.Counter(
+        n.op_type for n in model.graph.node
+        if n.op_type in ("Conv", "MatMul", "Gemm", "ConvTranspose")
+        and n.input and n.input[0] in dequantized)
+    return dict(counts)
+
+
+class Summary:
+    """What the report says of a static int8 candidate: its quantizer, the ops it runs in
+    int8, and (set by verification) the error beside the tolerance."""
+
+    def __init__(self, engine: str, ops: dict[str, int]) -> None:
+        self.engine, self.ops = engine, ops
+        self.error: float | None = None
+        self.agreement = ""
+
+    def describe(self, tolerance: float | None) -> str:
+        ops = ", ".join(f"{n} {k}" for k, n in sorted(self.ops.items())) or "no op"
+        text = f"static int8 by {ENGINES[self.engine]}: {ops} in int8"
+        if self.error is not None and tolerance is not None:
+            text += (f"; error {self.error:.3g} (tolerance {tolerance:g}) on inputs "
+                     f"calibration never saw")
+        return text + (f"; {self.agreement}" if self.agreement else "")
+
+
+def unseen(run: Any, module: nn.Module, batches: list[tuple[tuple[Any, ...], dict[str, Any]]],
+           ) -> tuple[float, str]:
+    """``run``'s error against ``module`` on ``batches`` (the largest output difference over
+    ``max(1, max|output|)``, verification's measure), and a classifier's top-1 agreement
+    (a model whose output is one ``[batch, classes]`` tensor) on all but the first batch
+    (the example inputs: the batches held out of calibration), or ''."""
+    error, same, total = 0.0, 0, 0
+    with torch.no_grad():
+        for i, (a, k) in enumerate(batches):
+            want, got = module(*a, **k), run(*a, **k)
+            for x, y in zip(_floats(want), _floats(got), strict=True):
+                if x.numel():
+                    error = max(error, float((x - y).abs().max()) / max(1.0, float(
+                        x.abs().max())))
+            if i and isinstance(want, torch.Tensor) and want.dim() == 2 and want.shape[1] > 1:
+                same += int((want.argmax(1) == got.argmax(1)).sum())
+                total += want.shape[0]
+    agreed = (f"top-1 agreement with fp32 {same}/{total} ({100 * same / total:.1f}%) on the "
+              f"{len(batches) - 1} batch(es) held out of calibration") if total else ""
+    return error, agreed
+
+
+def _floats(value: Any) -> list[torch.Tensor]:
+    return [x.detach().float() for x in pytree.tree_leaves(value)
+            if isinstance(x, torch.Tensor) and x.is_floating_point()]
+
+
+def refusal(source: GraphModule, calibration: Calibration, args: tuple[Any, ...],
+            kwargs: dict[str, Any], tolerance: float, reasons: dict[str, str]) -> ConfigError:
+    """The one-line refusal when no engine's int8 stays within ``tolerance``: each engine's
+    reason, and the ops whose int8 errs most (each quantized alone, on the example inputs)."""
+    why = "; ".join(f"{name}: {reason}" for name, reason in reasons.items())
+    try:
+        flat = _flat(args, kwargs)
+        ranges = int8_sensitivity.observe(source, [_flat(a, k) for a, k in
+                                                   calibration.like(args, kwargs).fit])
+        found = int8_sensitivity.errors(source, ranges, flat)
+        ops = ", ".join(f"{name} ({error:.3g} alone)"
+                        for name, error in int8_sensitivity.blamed(found, tolerance))
+    except Exception as exc:  # noqa: BLE001 - the refusal stands without the ops named
+        log.info("static int8: the ops could not be measured one at a time: %s", exc)
+        ops = ""
+    named = f" The ops int8 errs at most: {ops}." if ops else ""
+    return ConfigError(f"precision='int8' with calibration= refused: no engine's int8 stays "
+                       f"within the tolerance {tolerance:g} ({why}).{named} Pass a larger "
+                       f"tolerance=, or precision='bf16'.")
+
+
+def _flat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    return pytree.tree_leaves((tuple(args), dict(kwargs)))
