@@ -181,14 +181,22 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
         reasons = "; ".join(f"{name}: {why}" for name, why in skipped.items())
         hint = (f"Pass backends=({requested[0]!r}, 'aten') to fall back when it cannot."
                 if required else "Include 'aten' in backends= to always have a way to run it.")
-        raise ConfigError(f"no backend of {tuple(requested)} can execute the {graph} "
-                          f"({reasons}). {hint}")
+        raise NoBackend(f"no backend of {tuple(requested)} can execute the {graph} "
+                        f"({reasons}). {hint}", skipped)
     chosen = next(lowering for lowering in lowerings if lowering.name == best[0])
     if chosen.restore is not None:  # its packed weights, if dropped while another was built
         with memory_profile.stage(f"backend {chosen.name} restore"):
             chosen.restore()
     return best[1], BackendChoice(graph, best[0], seconds, skipped, regions=_regions(chosen),
                                   eager_s=eager_s, shared=measuring.shared)
+
+
+class NoBackend(ConfigError):
+    """No candidate could run the graph; ``skipped`` holds each one's reason."""
+
+    def __init__(self, message: str, skipped: dict[str, str]) -> None:
+        super().__init__(message)
+        self.skipped = skipped
 
 
 _EAGER = "eager"

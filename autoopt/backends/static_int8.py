@@ -84,9 +84,7 @@ def nncf_quantize(model: Any, batches: list[dict[str, Any]], transformer: bool) 
 
     names = {name for port in model.inputs for name in port.get_names()}
     data = [{k: v for k, v in batch.items() if k in names} for batch in batches]
-    size = sum(next(iter(b.values())).shape[0] if b and next(iter(b.values())).ndim else 1
-               for b in data)
-    options: dict[str, Any] = {"subset_size": max(1, size)}
+    options: dict[str, Any] = {"subset_size": len(data)}  # NNCF counts the dataset's items
     if transformer:
         options["model_type"] = nncf.ModelType.TRANSFORMER
     return nncf.quantize(model, nncf.Dataset(data), **options)

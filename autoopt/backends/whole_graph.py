@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 from autoopt.backends import offers, openvino, static_int8
 from autoopt.backends import onnxruntime as ort
 from autoopt.backends.base import WholeGraph
-from autoopt.backends.choice import choose_backend
+from autoopt.backends.choice import NoBackend, choose_backend
 from autoopt.check.compare import VerifyResult
 from autoopt.check.inputs import clone_inputs
 from autoopt.check.report import BackendChoice
@@ -63,9 +63,16 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
                        packed={"release": functools.partial(release_packed, gm),
                                "restore": functools.partial(restore_packed, gm)})
     names = config.candidate_backends
-    static = config.calibration is not None
+    # A call with gradients (an eval model called outside no_grad) gets a graph that keeps
+    # them, in fp32 as under dynamic int8: int8 kernels have no backward.
+    static = config.calibration is not None and not gradients
     if static:  # int8 with calibration runs on the engines that quantize with it, or nowhere
         names = tuple(n for n in names if n in static_int8.ENGINES)
+        if not names:
+            raise ConfigError(f"precision='int8' with calibration= runs on "
+                              f"{' or '.join(static_int8.ENGINES)}, and the backends allowed "
+                              f"here are {list(config.candidate_backends)}: name one of them "
+                              f"in backends= (or unset AUTOOPT_BACKENDS)")
     lowerings, skipped = offers(names, "whole_graph", graph)
     if static:
         skipped.update({n: static_int8.declined(n) for n in config.candidate_backends
@@ -101,11 +108,10 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
                 gradients=gradients, state=[module], reference=module,
                 floor_s=functools.partial(floor_seconds, cost_model, graph.source,
                                           config.precision, gradients))
-        except ConfigError:
+        except NoBackend as exc:
             if not static:
                 raise
-            reasons = {n: why for n, why in skipped.items() if n in static_int8.ENGINES}
-            reasons = reasons or {n: why for n, why in skipped.items()}
+            reasons = {n: why for n, why in exc.skipped.items() if n in static_int8.ENGINES}
             raise static_int8.refusal(graph.source, config.calibration, args, kwargs,
                                       config.precision_tolerance, reasons) from None
     if static:

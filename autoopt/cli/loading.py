@@ -34,40 +34,7 @@ def load_model(spec: str) -> nn.Module:
     if ":" not in spec:
         raise ModelSpecError(f"MODEL {spec!r} must be 'package.module:factory', "
                              "'path/to/file.py:Name' or a .pt2 file")
-    where, name = spec.rsplit(":", 1)
-    if not where or not name:
-        missing = "module or file" if not where else "name after the colon"
-        raise ModelSpecError(f"MODEL {spec!r} has no {missing}; write "
-                             "'package.module:factory' or 'path/to/file.py:Name'")
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise ModelSpecError(f"MODEL {spec!r}: no such file {where!r}")
-        module_name = "_autoopt_user_" + re.sub(r"\W", "_", path.stem)
-        loader = importlib.util.spec_from_file_location(module_name, path)
-        if loader is None or loader.loader is None:
-            raise ModelSpecError(f"MODEL {spec!r}: cannot load {where!r} as Python")
-        source = importlib.util.module_from_spec(loader)
-        sys.modules[module_name] = source
-        try:
-            loader.loader.exec_module(source)
-        except Exception as exc:
-            raise ModelSpecError(f"MODEL {spec!r}: running {where!r} raised "
-                                 f"{type(exc).__name__}: {exc}") from exc
-    else:
-        try:
-            source = importlib.import_module(where)
-        except ImportError as exc:
-            raise ModelSpecError(f"MODEL {spec!r}: cannot import {where!r} ({exc})") from exc
-        except Exception as exc:  # noqa: BLE001 - the user's module failed; say where
-            raise ModelSpecError(f"MODEL {spec!r}: importing {where!r} raised "
-                                 f"{type(exc).__name__}: {exc}; fix the module (or run it with "
-                                 f"python to see the traceback)") from exc
-    target = getattr(source, name, None)
-    if target is None:
-        close = _close_names(source, name)
-        raise ModelSpecError(f"MODEL {spec!r}: {where!r} has no attribute {name!r}"
-                             + (f"; did you mean {_either(close)}?" if close else ""))
+    target, name = _attribute(spec, "MODEL"), spec.rsplit(":", 1)[1]
     if isinstance(target, nn.Module):
         return target
     if not callable(target):
@@ -81,6 +48,84 @@ def load_model(spec: str) -> nn.Module:
         raise ModelSpecError(f"MODEL {spec!r}: {name}() returned {type(model).__name__}, "
                              "not an nn.Module")
     return model
+
+
+def load_calibration(spec: str) -> Any:
+    """``--calibration``: a folder of ``.pt`` files (one batch each, in name order: a tensor,
+    a tuple of the model's inputs or a keyword dict), one ``.pt`` file holding a list of
+    batches, or ``file.py:loader`` / ``package.module:loader`` (an iterable of batches, such
+    as a DataLoader, or a function returning one)."""
+    path = Path(spec)
+    if path.is_dir():
+        files = sorted(path.glob("*.pt"))
+        if not files:
+            raise ModelSpecError(f"--calibration {spec!r}: the folder holds no .pt file; save "
+                                 f"one batch per file with torch.save")
+        return [_load_tensors(f) for f in files]
+    if path.suffix == ".pt":
+        if not path.is_file():
+            raise ModelSpecError(f"--calibration {spec!r}: no such file")
+        batches = _load_tensors(path)
+        if not isinstance(batches, (list, tuple)):
+            raise ModelSpecError(f"--calibration {spec!r} holds a {type(batches).__name__}; a "
+                                 f".pt file given alone holds a list of batches (a folder "
+                                 f"holds one batch per file)")
+        return list(batches)
+    if ":" not in spec:
+        raise ModelSpecError(f"--calibration {spec!r} is not a folder of .pt files, a .pt file "
+                             f"or 'file.py:loader'")
+    target = _attribute(spec, "--calibration")
+    if callable(target) and not hasattr(target, "__iter__"):
+        target = target()
+    return target
+
+
+def _load_tensors(path: Path) -> Any:
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - the user's file: say which and why
+        raise ModelSpecError(f"--calibration: cannot read {str(path)!r} as tensors saved by "
+                             f"torch.save: {type(exc).__name__}: {exc}") from exc
+
+
+def _attribute(spec: str, label: str) -> Any:
+    """What ``package.module:name`` or ``path/to/file.py:name`` names (``label`` is the
+    argument, for the errors)."""
+    where, name = spec.rsplit(":", 1)
+    if not where or not name:
+        missing = "module or file" if not where else "name after the colon"
+        raise ModelSpecError(f"{label} {spec!r} has no {missing}; write "
+                             "'package.module:factory' or 'path/to/file.py:Name'")
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise ModelSpecError(f"{label} {spec!r}: no such file {where!r}")
+        module_name = "_autoopt_user_" + re.sub(r"\W", "_", path.stem)
+        loader = importlib.util.spec_from_file_location(module_name, path)
+        if loader is None or loader.loader is None:
+            raise ModelSpecError(f"{label} {spec!r}: cannot load {where!r} as Python")
+        source = importlib.util.module_from_spec(loader)
+        sys.modules[module_name] = source
+        try:
+            loader.loader.exec_module(source)
+        except Exception as exc:
+            raise ModelSpecError(f"{label} {spec!r}: running {where!r} raised "
+                                 f"{type(exc).__name__}: {exc}") from exc
+    else:
+        try:
+            source = importlib.import_module(where)
+        except ImportError as exc:
+            raise ModelSpecError(f"{label} {spec!r}: cannot import {where!r} ({exc})") from exc
+        except Exception as exc:  # noqa: BLE001 - the user's module failed; say where
+            raise ModelSpecError(f"{label} {spec!r}: importing {where!r} raised "
+                                 f"{type(exc).__name__}: {exc}; fix the module (or run it with "
+                                 f"python to see the traceback)") from exc
+    target = getattr(source, name, None)
+    if target is None:
+        close = _close_names(source, name)
+        raise ModelSpecError(f"{label} {spec!r}: {where!r} has no attribute {name!r}"
+                             + (f"; did you mean {_either(close)}?" if close else ""))
+    return target
 
 
 def _close_names(source: Any, name: str) -> list[str]:

@@ -14,6 +14,7 @@ from autoopt.cli.common import (
     named_dynamic_shapes,
     parse_budget_option,
 )
+from autoopt.cli.loading import load_calibration
 from autoopt.cli.names import PRECISIONS
 from autoopt.cli.progress import output, stage
 from autoopt.errors import ConfigError
@@ -32,6 +33,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     opt.add_argument("--precision", choices=PRECISIONS, default=None,
                      help="compute in lower precision where the end-to-end error stays within "
                           "the tolerance (int8: CPU inference only; default: fp32)")
+    opt.add_argument("--calibration", default=None, metavar="DIR_OR_FILE",
+                     help="with --precision int8: static int8 calibrated on these batches: a "
+                          "folder of .pt files (one batch each), a .pt file holding a list of "
+                          "batches, or file.py:loader (an iterable of batches, e.g. a "
+                          "DataLoader)")
     opt.add_argument("--memory-budget", default=None, metavar="SIZE",
                      help="with --train: the memory saved activations may take on the device, "
                           "e.g. 8GiB, 512MiB, bytes, or a fraction of device memory such as 0.5")
@@ -64,6 +70,12 @@ def run(args: argparse.Namespace) -> int:
                           f"{args.save!r}. For an ONNX file run 'autoopt export' with the "
                           f"same model, or name the file .pt2.")
     check_output(args.save, "--save")
+    calibration = None
+    if args.calibration is not None:
+        if args.precision != "int8":
+            raise ConfigError("--calibration gives static int8 its activation ranges; add "
+                              "--precision int8")
+        calibration = load_calibration(args.calibration)
     dims = set(args.dynamic)
     model, inputs, kwargs = load_workload(args, train=args.train,
                                           dynamic=() if "all" in dims else tuple(dims))
@@ -73,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     optimized = optimize(model, inputs, kwargs, device=args.device, dynamic="all" in dims,
                          dynamic_shapes=shapes, disable=disabled(args),
                          verify=not args.no_verify, precision=args.precision,
-                         memory_budget=budget, backend=args.backend,
+                         memory_budget=budget, backend=args.backend, calibration=calibration,
                          backends=args.backends.split(",") if args.backends else None)
     output(str(optimized.report))
     if args.save:

@@ -53,7 +53,7 @@ def prepare(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, 
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(target), (args, kwargs))
     _check_devices_and_dtypes(private, args, kwargs)
     if cfg.calibration is not None:
-        cfg.calibration.check(args, kwargs)
+        cfg.calibration.check(args, kwargs, private.forward)
     # precision=: reject what cannot work on this device, or would be slower there.
     cfg = precision_lib.autocast_tolerance(cfg, private, args, kwargs, training)
     cfg = precision_lib.decoder_tolerance(cfg, private, training)

@@ -11,6 +11,7 @@ them against the example inputs and splits off the part calibration never sees.
 from __future__ import annotations
 
 import hashlib
+import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -84,11 +85,16 @@ class Calibration:
                                    for x in joined], spec)
             for start in range(0, samples - size + 1, size)])
 
-    def check(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    def check(self, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+              forward: Any = None) -> None:
         """Raise unless every batch has the example inputs' structure, dtypes and sizes (but
         the batch size, all batches alike): the int8 graph is the example's graph, and a
-        batch it cannot take calibrates nothing."""
+        batch it cannot take calibrates nothing. Keyword batches (a tokenizer's dicts) are
+        first given the example's layout: what it passes positionally, by ``forward``'s
+        parameter names."""
         want, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        self.batches = [_laid_out(b, forward, len(args), list(kwargs)) for b in self.batches]
+        self.__init__(self.batches)  # type: ignore[misc]  # fit and held_out again
         for i, (a, k) in enumerate(self.batches):
             got, got_spec = pytree.tree_flatten((a, k))
             if got_spec != spec:
@@ -148,6 +154,22 @@ def _pair(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return tuple(batch), {}
     raise ConfigError(f"a calibration batch is a tensor, a tuple of the model's inputs, a "
                       f"keyword dict or an (args, kwargs) pair; got {type(batch).__name__}")
+
+
+def _laid_out(batch: tuple[tuple[Any, ...], dict[str, Any]], forward: Any, positional: int,
+              keywords: list[str]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    a, k = batch
+    if a or not positional or forward is None:
+        return batch
+    try:
+        names = [p.name for p in inspect.signature(forward).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:positional]
+    except (TypeError, ValueError):
+        return batch
+    if len(names) < positional or not set(names) <= set(k):
+        return batch
+    return tuple(k[n] for n in names), {n: k[n] for n in keywords if n in k} | {
+        n: v for n, v in k.items() if n not in names and n not in keywords}
 
 
 def _sizes(batch: tuple[tuple[Any, ...], dict[str, Any]]) -> list[Any]:
