@@ -29,6 +29,8 @@ QUANTIZED: dict[Any, dict[int, int]] = {
     aten.mm.default: {},
     aten.bmm.default: {},
     aten.matmul.default: {},
+    # Its two matrix multiplies (the engines quantize both, the probabilities too).
+    aten.scaled_dot_product_attention.default: {},
 }
 
 
@@ -56,19 +58,22 @@ def observe(gm: GraphModule, batches: Iterable[Sequence[Any]]) -> dict[tuple[str
 
 
 def errors(gm: GraphModule, ranges: dict[tuple[str, int], tuple[float, float]],
-           inputs: Sequence[Any], names: Sequence[str] | None = None) -> dict[str, float]:
+           sets: Sequence[Sequence[Any]], names: Sequence[str] | None = None,
+           ) -> dict[str, float]:
     """Each quantized op's error alone: the largest output difference from fp32's over
-    ``max(1, max|output|)`` (verification's measure), with only that op in int8."""
+    ``max(1, max|output|)`` (verification's measure), with only that op in int8, over the
+    input ``sets`` (each the graph's positional inputs)."""
+    found: dict[str, float] = {}
     with torch.no_grad():
-        reference = _floats(_Run(gm).run(*inputs))
-        found: dict[str, float] = {}
-        for node in quantized_ops(gm):
-            if names is not None and node.name not in names:
-                continue
-            out = _floats(_Run(gm, quantize={node.name: ranges}).run(*inputs))
-            found[node.name] = max((float((a - b).abs().max()) / max(1.0, float(b.abs().max()))
-                                    for a, b in zip(out, reference, strict=True)
-                                    if b.numel()), default=0.0)
+        for inputs in sets:
+            reference = _floats(_Run(gm).run(*inputs))
+            for node in quantized_ops(gm):
+                if names is not None and node.name not in names:
+                    continue
+                out = _floats(_Run(gm, quantize={node.name: ranges}).run(*inputs))
+                found[node.name] = max(found.get(node.name, 0.0), max(
+                    (float((a - b).abs().max()) / max(1.0, float(b.abs().max()))
+                     for a, b in zip(out, reference, strict=True) if b.numel()), default=0.0))
     return found
 
 
@@ -91,18 +96,46 @@ class _Run(Interpreter):
         self._look = look
         self._quantize = quantize or {}
 
+    def run_node(self, n: Node) -> Any:
+        self._node = n
+        return super().run_node(n)
+
     def call_function(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        node = self.current_node
+        node = self._node
         if target in QUANTIZED:
             if self._look is not None:
                 self._look(node, args)
             if node.name in self._quantize:
                 args = _rounded(node, args, self._quantize[node.name])
+                if target is aten.scaled_dot_product_attention.default:
+                    return _attention(*args, **kwargs)
         return super().call_function(target, args, kwargs)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+               is_causal: bool = False, scale: float | None = None,
+               enable_gqa: bool = False) -> torch.Tensor:
+    """Attention with its probabilities rounded to uint8 steps of 1/255, as a quantized
+    second matrix multiply reads them (``q, k, v`` already rounded)."""
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        repeat = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(repeat, -3), v.repeat_interleave(repeat, -3)
+    scores = q @ k.transpose(-2, -1) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if is_causal:
+        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) \
+            if attn_mask.dtype == torch.bool else scores + attn_mask
+    probabilities = torch.round(torch.softmax(scores, -1) * 255) / 255
+    return probabilities @ v
 
 
 def _activations(node: Node, args: tuple[Any, ...]) -> list[tuple[int, torch.Tensor]]:
     weights = QUANTIZED[node.target]
+    if node.target is aten.scaled_dot_product_attention.default:
+        args = args[:3]  # q, k, v: not the mask
     return [(i, a) for i, a in enumerate(args) if i not in weights
             and isinstance(a, torch.Tensor) and a.is_floating_point() and a.numel()
             and not (i == 0 and node.target is aten.addmm.default)]  # addmm's bias

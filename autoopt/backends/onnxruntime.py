@@ -269,22 +269,32 @@ BACKEND = OnnxRuntime()
 
 
 def _static_int8(graph: WholeGraph) -> Lowering:
-    """The fp32 graph's ONNX file quantized (QDQ) on the calibration batches, in a session."""
+    """The fp32 graph's ONNX file quantized (QDQ) on the calibration batches, in a session,
+    with the ops int8 errs at most kept in floating point where it errs beyond the
+    tolerance."""
     source, made = graph.source, {}
-    folder = static_int8.int8_folder()
 
-    def quantize(path: Path, input_names: list[str]) -> Path:
-        batches = static_int8.feeds(graph.config.calibration, source, input_names,
-                                    graph.args, graph.kwargs)
-        out = static_int8.ort_quantize(path, batches, Path(folder.name))
-        made["summary"] = static_int8.Summary("onnxruntime", static_int8.onnx_ops(out))
-        return out
+    def attempt(kept: list[str]) -> OrtGraph:
+        folder = static_int8.int8_folder()
+        summary: list[static_int8.Summary] = []
 
-    def build() -> OrtGraph:
+        def quantize(path: Path, input_names: list[str]) -> Path:
+            batches = static_int8.feeds(graph.config.calibration, source, input_names,
+                                        graph.args, graph.kwargs)
+            excluded = static_int8.onnx_nodes(path, kept) if kept else []
+            out = static_int8.ort_quantize(path, batches, Path(folder.name), excluded)
+            summary.append(static_int8.Summary("onnxruntime", static_int8.onnx_ops(out), kept))
+            return out
+
         run = lower(source, graph.module.forward, graph.args, graph.kwargs, graph.expected(),
                     graph.device, graph.exports, quantize)
-        run.int8 = made["summary"]
+        run.int8 = summary[0]
         run.int8_folder = folder  # the session maps the file: kept while the session lives
+        return run
+
+    def build() -> OrtGraph:
+        run = static_int8.fallback(graph).within(attempt)
+        made["summary"] = run.int8
         return graph.warm(run)
 
     return Lowering("onnxruntime", build, memory=3 * memory_estimate(source),

@@ -98,7 +98,7 @@ def _array(t: torch.Tensor) -> Any:
 def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
           expected: Any, device: torch.device, precision: str = "fp32",
           exports: onnx_graph.Exports | None = None,
-          quantize: Callable[[Any, list[str]], Any] | None = None) -> OrtGraph:
+          quantize: Callable[[Any, list[str], Any], Any] | None = None) -> OrtGraph:
     """``gm`` exported to ONNX (or read from the ONNX cache) and compiled by OpenVINO.
 
     Args:
@@ -106,10 +106,11 @@ def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str
         forward: the model's forward, which names the ONNX inputs.
         expected: the model's output on ``(args, kwargs)``.
         precision: ``fp32`` or ``bf16``: OpenVINO's inference precision hint; ``int8``:
-            the model ``quantize`` returns, at OpenVINO's default precision elsewhere.
+            the model ``quantize`` returns, at OpenVINO's default precision elsewhere
+            (``int8+fp32``: in f32 elsewhere).
         exports: where ONNX Runtime's candidate left the same graph's file, if it did.
         quantize: makes the model read from the file an int8 one (NNCF), given the input
-            names (static int8).
+            names and the file (static int8).
     """
     kwargs = in_forward_order(gm.forward, kwargs)
     input_names = name_inputs(forward, args, kwargs)
@@ -117,15 +118,16 @@ def lower(gm: GraphModule, forward: Any, args: tuple[Any, ...], kwargs: dict[str
     threads = torch.get_num_threads()
     config = {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY",
               "NUM_STREAMS": 1}
-    if precision in HINTS:
-        config["INFERENCE_PRECISION_HINT"] = HINTS[precision]
+    hint = HINTS.get(precision.removeprefix("int8+"))
+    if hint is not None:  # plain int8: OpenVINO's default elsewhere
+        config["INFERENCE_PRECISION_HINT"] = hint
 
     def compile_file(path: Any) -> OvSession:
         ov_core = core()
         model = ov_core.read_model(str(path))
         if quantize is not None:
             with memory_profile.stage("nncf quantize"):
-                model = quantize(model, input_names)
+                model = quantize(model, input_names, path)
         with memory_profile.stage("openvino compile"):
             compiled = ov_core.compile_model(model, "CPU", config)
         return OvSession(compiled, precision, threads, input_names)
@@ -239,19 +241,32 @@ BACKEND = OpenVino()
 
 
 def _static_int8(graph: WholeGraph) -> Lowering:
-    """The fp32 graph quantized by NNCF on the calibration batches, compiled by OpenVINO."""
+    """The fp32 graph quantized by NNCF on the calibration batches, compiled by OpenVINO,
+    with the ops int8 errs at most kept in floating point where it errs beyond the
+    tolerance."""
     source, made = graph.source, {}
 
-    def quantize(model: Any, input_names: list[str]) -> Any:
-        batches = static_int8.feeds(graph.config.calibration, source, input_names,
-                                    graph.args, graph.kwargs)
-        return static_int8.nncf_quantize(model, batches, static_int8.is_transformer(source))
+    def attempt(kept: list[str]) -> OrtGraph:
+        excluded: list[str] = []
+
+        def quantize(model: Any, input_names: list[str], path: Any) -> Any:
+            batches = static_int8.feeds(graph.config.calibration, source, input_names,
+                                        graph.args, graph.kwargs)
+            excluded.extend(static_int8.onnx_nodes(path, kept) if kept else [])
+            return static_int8.nncf_quantize(model, batches, static_int8.is_transformer(source),
+                                             excluded)
+
+        # What int8 leaves runs at OpenVINO's default precision (bf16 where the CPU has it),
+        # as its own int8 deployments do; once ops are kept for accuracy, in f32.
+        run = lower(source, graph.module.forward, graph.args, graph.kwargs, graph.expected(),
+                    graph.device, "int8" if not kept else "int8+fp32", graph.exports, quantize)
+        run.int8 = static_int8.Summary("openvino", static_int8.openvino_ops(
+            run.session.compiled), kept)
+        return run
 
     def build() -> OrtGraph:
-        run = lower(source, graph.module.forward, graph.args, graph.kwargs, graph.expected(),
-                    graph.device, "int8", graph.exports, quantize)
-        run.int8 = made["summary"] = static_int8.Summary(
-            "openvino", static_int8.openvino_ops(run.session.compiled))
+        run = static_int8.fallback(graph).within(attempt)
+        made["summary"] = run.int8
         return graph.warm(run)
 
     return Lowering("openvino", build, memory=3 * memory_estimate(source),

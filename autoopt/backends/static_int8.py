@@ -37,13 +37,15 @@ from torch.utils import _pytree as pytree
 
 from autoopt.errors import ConfigError
 from autoopt.onnx.signature import flat_tensors, in_forward_order
+from autoopt.options.backends import STATIC_INT8
 from autoopt.options.calibration import Calibration
 from autoopt.passes import int8_sensitivity
 
 log = logging.getLogger(__name__)
 
 # The engines that quantize with calibration, and their quantizer.
-ENGINES = {"openvino": "NNCF", "onnxruntime": "ONNX Runtime's QDQ quantizer"}
+QUANTIZERS = {"openvino": "NNCF", "onnxruntime": "ONNX Runtime's QDQ quantizer"}
+ENGINES = {name: QUANTIZERS[name] for name in STATIC_INT8}
 
 
 def declined(name: str) -> str:
@@ -78,8 +80,10 @@ def is_transformer(gm: GraphModule) -> bool:
     return any("softmax" in t for t in targets) and any("layer_norm" in t for t in targets)
 
 
-def nncf_quantize(model: Any, batches: list[dict[str, Any]], transformer: bool) -> Any:
-    """``model`` (an OpenVINO model) quantized by NNCF on ``batches``, every batch used."""
+def nncf_quantize(model: Any, batches: list[dict[str, Any]], transformer: bool,
+                  excluded: Sequence[str] = ()) -> Any:
+    """``model`` (an OpenVINO model) quantized by NNCF on ``batches``, every batch used, but
+    for the ops named ``excluded`` (ONNX node names, which OpenVINO keeps)."""
     import nncf
 
     names = {name for port in model.inputs for name in port.get_names()}
@@ -87,12 +91,15 @@ def nncf_quantize(model: Any, batches: list[dict[str, Any]], transformer: bool) 
     options: dict[str, Any] = {"subset_size": len(data)}  # NNCF counts the dataset's items
     if transformer:
         options["model_type"] = nncf.ModelType.TRANSFORMER
+    if excluded:
+        options["ignored_scope"] = nncf.IgnoredScope(names=list(excluded), validate=False)
     return nncf.quantize(model, nncf.Dataset(data), **options)
 
 
-def ort_quantize(path: Path, batches: list[dict[str, Any]], folder: Path) -> Path:
+def ort_quantize(path: Path, batches: list[dict[str, Any]], folder: Path,
+                 excluded: Sequence[str] = ()) -> Path:
     """The ONNX file at ``path`` quantized (QDQ) by ONNX Runtime on ``batches``, written
-    in ``folder``."""
+    in ``folder``, but for the nodes named ``excluded``."""
     import onnx
     from onnxruntime.quantization import (
         CalibrationDataReader,
@@ -116,7 +123,8 @@ def ort_quantize(path: Path, batches: list[dict[str, Any]], folder: Path) -> Pat
     with _quiet_root():
             quantize_static(str(path), str(out), Reader(), quant_format=QuantFormat.QDQ,
                         per_channel=True, activation_type=QuantType.QUInt8,
-                        weight_type=QuantType.QInt8, use_external_data_format=True)
+                        weight_type=QuantType.QInt8, use_external_data_format=True,
+                        nodes_to_exclude=list(excluded), op_types_to_quantize=list(HEAVY))
     return out
 
 
@@ -129,6 +137,12 @@ def _quiet_root() -> Iterator[None]:
         yield
     finally:
         root.setLevel(level)
+
+
+# What ONNX Runtime quantizes: the compute-heavy ops. By default it quantizes more (Gather:
+# an embedding table in int8 per tensor erred 2% at every position of a BERT), for little
+# time saved.
+HEAVY = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 
 
 def int8_folder() -> tempfile.TemporaryDirectory[str]:
@@ -165,8 +179,7 @@ def onnx_ops(path: Path) -> dict[str, int]:
                    for o in n.output}
     counts: collections.Counter[str] = collections.Counter(
         n.op_type for n in model.graph.node
-        if n.op_type in ("Conv", "MatMul", "Gemm", "ConvTranspose")
-        and n.input and n.input[0] in dequantized)
+        if n.op_type in HEAVY and n.input and n.input[0] in dequantized)
     return dict(counts)
 
 
@@ -174,14 +187,18 @@ class Summary:
     """What the report says of a static int8 candidate: its quantizer, the ops it runs in
     int8, and (set by verification) the error beside the tolerance."""
 
-    def __init__(self, engine: str, ops: dict[str, int]) -> None:
-        self.engine, self.ops = engine, ops
+    def __init__(self, engine: str, ops: dict[str, int], kept: Sequence[str] = ()) -> None:
+        self.engine, self.ops, self.kept = engine, ops, list(kept)
         self.error: float | None = None
         self.agreement = ""
 
     def describe(self, tolerance: float | None) -> str:
         ops = ", ".join(f"{n} {k}" for k, n in sorted(self.ops.items())) or "no op"
         text = f"static int8 by {ENGINES[self.engine]}: {ops} in int8"
+        if self.kept:
+            names = ", ".join(self.kept[:6]) + (", ..." if len(self.kept) > 6 else "")
+            text += (f"; {len(self.kept)} op(s) int8 errs at most kept in floating point "
+                     f"({names})")
         if self.error is not None and tolerance is not None:
             text += (f"; error {self.error:.3g} (tolerance {tolerance:g}) on inputs "
                      f"calibration never saw")
@@ -215,6 +232,89 @@ def _floats(value: Any) -> list[torch.Tensor]:
             if isinstance(x, torch.Tensor) and x.is_floating_point()]
 
 
+def onnx_nodes(path: Path, ops: Sequence[str]) -> list[str]:
+    """The names of the ONNX nodes the exporter made of the graph's ops ``ops`` (fx node
+    names, which it records on each node) that a quantizer would make int8."""
+    import onnx
+
+    wanted = {f"%{name}" for name in ops}
+    model = onnx.load(str(path), load_external_data=False)
+    return [n.name for n in model.graph.node if n.op_type in HEAVY
+            and any(p.key == "pkg.torch.onnx.fx_node" and p.value.split(" ", 1)[0] in wanted
+                    for p in n.metadata_props)]
+
+
+# Shares of the graph's quantized ops, worst first, kept in floating point in turn while an
+# engine's int8 errs beyond the tolerance on unseen inputs; and how close to the tolerance
+# that error may come (verification's random inputs err a little more than these).
+KEEP_SHARES = (0.05, 0.15, 0.35)
+MARGIN = 0.8
+
+
+class Fallback:
+    """Keeps the ops int8 errs at most in floating point, as few as bring an engine's error
+    within the tolerance: each quantized op's error alone (``passes/int8_sensitivity``),
+    measured once per graph, ranks them."""
+
+    def __init__(self, source: GraphModule, module: nn.Module, calibration: Calibration,
+                 args: tuple[Any, ...], kwargs: dict[str, Any], tolerance: float,
+                 random_inputs: int = 2) -> None:
+        self.source, self.module, self.tolerance = source, module, tolerance
+        self.args, self.kwargs = args, kwargs
+        self.random_inputs = random_inputs
+        self.calibration = calibration.like(args, kwargs)
+        self._ranked: list[str] | None = None
+
+    def ranked(self) -> list[str]:
+        if self._ranked is None:
+            ranges = int8_sensitivity.observe(self.source, [_flat(a, k) for a, k in
+                                                            self.calibration.fit])
+            found = int8_sensitivity.errors(self.source, ranges,
+                                            [_flat(a, k) for a, k in self.sets()])
+            self._ranked = sorted(found, key=lambda name: -found[name])
+            log.info("static int8: ops by their error alone: %s", ", ".join(
+                f"{n} {found[n]:.3g}" for n in self._ranked[:8]))
+        return self._ranked
+
+    def error(self, run: Any) -> float:
+        """``run``'s error on the inputs verification will compare (the example and its
+        fresh sets, drawn alike) and on the batches held out of calibration."""
+        return unseen(run, self.module, [*self.sets(), *self.calibration.held_out])[0]
+
+    def sets(self) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+        from autoopt.check.inputs import clone_inputs, input_sets
+
+        return [clone_inputs(a, k) for a, k in input_sets(self.args, self.kwargs,
+                                                          self.random_inputs)]
+
+    def within(self, attempt: Any) -> Any:
+        """``attempt(kept)`` (the engine built with the fx ops ``kept`` in floating point)
+        with as few kept as bring its error within the tolerance, or with the most."""
+        run = attempt([])
+        for share in KEEP_SHARES:
+            error = self.error(run)
+            if error <= MARGIN * self.tolerance:
+                break
+            ranked = self.ranked()
+            kept = ranked[:max(1, round(share * len(ranked)))]
+            log.info("static int8: error %.3g beyond %.3g; keeping %d op(s) in floating "
+                     "point", error, MARGIN * self.tolerance, len(kept))
+            del run
+            run = attempt(kept)
+        return run
+
+
+def fallback(graph: Any) -> Fallback:
+    """The graph's one ``Fallback``, shared by the engines offered it."""
+    found = getattr(graph, "_int8_fallback", None)
+    if found is None:
+        found = Fallback(graph.source, graph.module, graph.config.calibration, graph.args,
+                         graph.kwargs, graph.config.precision_tolerance,
+                         graph.config.random_inputs)
+        graph._int8_fallback = found
+    return found
+
+
 def refusal(source: GraphModule, calibration: Calibration, args: tuple[Any, ...],
             kwargs: dict[str, Any], tolerance: float, reasons: dict[str, str]) -> ConfigError:
     """The one-line refusal when no engine's int8 stays within ``tolerance``: each engine's
@@ -224,7 +324,7 @@ def refusal(source: GraphModule, calibration: Calibration, args: tuple[Any, ...]
         flat = _flat(args, kwargs)
         ranges = int8_sensitivity.observe(source, [_flat(a, k) for a, k in
                                                    calibration.like(args, kwargs).fit])
-        found = int8_sensitivity.errors(source, ranges, flat)
+        found = int8_sensitivity.errors(source, ranges, [flat])
         ops = ", ".join(f"{name} ({error:.3g} alone)"
                         for name, error in int8_sensitivity.blamed(found, tolerance))
     except Exception as exc:  # noqa: BLE001 - the refusal stands without the ops named

@@ -30,7 +30,6 @@ from autoopt.check.state import preserved
 from autoopt.cost_model import CostModel
 from autoopt.cost_model.estimate import value_spec
 from autoopt.cost_model.isolation import written_placeholders
-from autoopt.errors import ConfigError
 from autoopt.options.config import OptimizeConfig
 from autoopt.passes.graph import portable, release_packed, restore_packed
 
@@ -67,12 +66,7 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
     # them, in fp32 as under dynamic int8: int8 kernels have no backward.
     static = config.calibration is not None and not gradients
     if static:  # int8 with calibration runs on the engines that quantize with it, or nowhere
-        names = tuple(n for n in names if n in static_int8.ENGINES)
-        if not names:
-            raise ConfigError(f"precision='int8' with calibration= runs on "
-                              f"{' or '.join(static_int8.ENGINES)}, and the backends allowed "
-                              f"here are {list(config.candidate_backends)}: name one of them "
-                              f"in backends= (or unset AUTOOPT_BACKENDS)")
+        names = tuple(n for n in names if n in static_int8.ENGINES)  # one, by the config
     lowerings, skipped = offers(names, "whole_graph", graph)
     if static:
         skipped.update({n: static_int8.declined(n) for n in config.candidate_backends

@@ -13,3 +13,7 @@ BACKENDS_VARIABLE = "AUTOOPT_BACKENDS"
 # ``"max-autotune"``: Inductor benchmarks GEMM and convolution templates, minutes of compile
 # for kernels that can be faster) and Inductor config ``options``.
 INDUCTOR_OPTIONS: tuple[str, ...] = ("mode", "options")
+
+# The backends that run static int8 (precision="int8" with calibration=): each quantizes with
+# its own library (autoopt.backends.static_int8).
+STATIC_INT8: tuple[str, ...] = ("openvino", "onnxruntime")

@@ -135,9 +135,10 @@ def calibration(value: Any) -> Calibration | None:
         raise ConfigError("calibration= is empty: give at least one batch (32 or more is "
                           "what post-training quantization usually takes).")
     # A DataLoader's last batch may be smaller: dropped, as drop_last=True would.
-    first = _sizes(batches[0])
-    if len(batches) > 1 and _sizes(batches[-1]) != first and all(
-            _sizes(b) == first for b in batches[:-1]):
+    first, last = _sizes(batches[0]), _sizes(batches[-1])
+    if len(batches) > 1 and len(last) == len(first) and last != first and all(
+            a[1:] == b[1:] and a[:1] > b[:1] for a, b in zip(first, last, strict=True)) \
+            and all(_sizes(b) == first for b in batches[:-1]):
         batches.pop()
     return Calibration(batches)
 

@@ -12,7 +12,12 @@ import torch
 
 from autoopt.check.compare import Tolerance
 from autoopt.errors import ConfigError
-from autoopt.options.backends import BACKENDS, BACKENDS_VARIABLE, INDUCTOR_OPTIONS
+from autoopt.options.backends import (
+    BACKENDS,
+    BACKENDS_VARIABLE,
+    INDUCTOR_OPTIONS,
+    STATIC_INT8,
+)
 from autoopt.options.calibration import calibration
 from autoopt.options.memory import parse_budget, parse_modes
 from autoopt.passes import LOWERING, PIPELINE, PassFn
@@ -144,8 +149,8 @@ class OptimizeConfig:
                                   f"report='report.html'; got {self.report!r}")
             object.__setattr__(self, "report", str(self.report))
         _check_precision(self.precision, self.tolerance)
-        _check_calibration(self)
         _check_backends(self)
+        _check_calibration(self)
 
     @property
     def passes(self) -> tuple[tuple[str, PassFn], ...]:
@@ -265,6 +270,11 @@ def _check_calibration(config: OptimizeConfig) -> None:
         raise ConfigError("calibration= (static int8) runs on one CPU engine; it cannot be "
                           "combined with devices= (pipeline stages run on aten)")
     object.__setattr__(config, "calibration", calibration(config.calibration))
+    if not set(config.candidate_backends) & set(STATIC_INT8):
+        raise ConfigError(f"precision='int8' with calibration= runs on "
+                          f"{' or '.join(STATIC_INT8)}, and the backends allowed here are "
+                          f"{list(config.candidate_backends)}: name one of them in backends= "
+                          f"(or in {BACKENDS_VARIABLE})")
 
 
 def _check_backends(config: OptimizeConfig) -> None:
