@@ -4,6 +4,7 @@
                               [--rounds 15] [--device cuda] [--skip RUNNERS]
                               [--optimize-times | --no-optimize-times] [--write] [--out table.md]
     python bench/inference.py --call-overhead [--models ...] [--batches 1] [--threads 1]
+    python bench/inference.py --static-int8 [bench/static_int8.py's options]
 
 Models have random weights at full size (images 224×224, text 128 tokens). For each model and
 batch the runners (eager, autoopt, torch.compile, torch.compile with freezing on the CPU or
@@ -683,6 +684,10 @@ def _child_main(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
+    if "--static-int8" in sys.argv[1:]:  # its own table: bench/static_int8.py
+        import static_int8
+
+        return static_int8.main([a for a in sys.argv[1:] if a != "--static-int8"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", default="1",
                         help="thread counts, comma-separated: one table each (e.g. 1,2)")

@@ -20,6 +20,7 @@ from torch import nn
 import autoopt
 from autoopt.backends import openvino as ov_backend
 from autoopt.backends import static_int8
+from autoopt.capture.program import save_program
 from autoopt.errors import ConfigError
 from autoopt.options.calibration import calibration
 
@@ -85,6 +86,9 @@ def test_a_cnn_runs_its_convolutions_in_int8_on_an_engine_that_calibrated() -> N
     assert (fast(x5) - want).abs().max() <= 0.05 * max(1.0, float(want.abs().max()))
     assert all(c.chosen in static_int8.ENGINES for c in fast.report.backends)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    # A torch.export program cannot hold the engine's int8 model: saving says so.
+    with pytest.raises(autoopt.ModelError, match="static int8"):
+        save_program(fast, (x,), {}, "never.pt2")
 
 
 def padded(i: int) -> torch.Tensor:
@@ -181,7 +185,7 @@ def test_calibration_batches_are_checked_against_the_example_inputs() -> None:
 def test_a_dataloader_calibrates_and_its_short_last_batch_is_left_out() -> None:
     data = torch.utils.data.TensorDataset(torch.randn(9, 3, 16, 16))
     loader = torch.utils.data.DataLoader(data, batch_size=2)
-    taken = calibration((x for (x,) in loader))
+    taken = calibration(x for (x,) in loader)
     assert len(taken) == 4 and taken.held_out == []
     cut = taken.like((torch.randn(4, 3, 16, 16),), {})
     assert [tuple(a[0].shape) for a, _ in cut.batches] == [(4, 3, 16, 16)] * 2

@@ -31,6 +31,11 @@ def save_program(optimized: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any
     dimensions the graph keeps symbolic (``dynamic=True``, ``dynamic_shapes=``) stay dynamic
     in the program.
     """
+    if getattr(getattr(optimized, "config", None), "calibration", None) is not None:
+        raise ModelError("cannot save: static int8 (calibration=) runs as an OpenVINO or ONNX "
+                         "Runtime model that its quantizer made, which a torch.export program "
+                         "cannot hold; a saved program would be the fp32 graph. Save without "
+                         "calibration=, or run the optimized module in-process.")
     # The inference graph (an eval model is captured under no_grad).
     with torch.no_grad():
         served = optimized.specialization_for(tuple(args), dict(kwargs))
