@@ -32,7 +32,7 @@ RUN_ELSEWHERE = {
 # Scripts that take more than a few seconds (all still run in CI, where `slow` runs too).
 SLOW = {"cli.py", "cost_model.py", "diagnose.py", "diagnose_cli.py", "generation.py",
         "html_report.py", "memory_budget.py", "onnx_export.py", "openvino_backend.py",
-        "pipeline.py", "precision.py"}
+        "pipeline.py", "precision.py", "static_int8.py"}
 # Modules the other scripts import or name on a command line (``my_model.py:Net``,
 # ``data.py:make_loader``, ``tiny_lm.py:make_model``): they run through those.
 HELPERS = {"data.py", "my_model.py", "tiny_lm.py"}
