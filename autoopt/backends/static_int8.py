@@ -74,10 +74,12 @@ def feeds(calibration: Calibration, gm: GraphModule, input_names: Sequence[str],
 
 
 def is_transformer(gm: GraphModule) -> bool:
-    """Whether ``gm`` holds attention (a softmax beside a layer norm): NNCF's transformer
-    scheme then keeps the ops int8 errs at most in floating point."""
+    """Whether ``gm`` holds attention (a softmax or a fused attention, beside a layer norm):
+    NNCF's transformer scheme then keeps the ops int8 errs at most in floating point (a
+    random-weight BERT-base erred 10% without it, 2.8% with it)."""
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
-    return any("softmax" in t for t in targets) and any("layer_norm" in t for t in targets)
+    return any("softmax" in t or "scaled_dot_product_attention" in t for t in targets) \
+        and any("layer_norm" in t for t in targets)
 
 
 def nncf_quantize(model: Any, batches: list[dict[str, Any]], transformer: bool,
