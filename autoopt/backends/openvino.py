@@ -69,7 +69,9 @@ class OvSession:
         # A port may carry several tensor names: the one the ONNX file gave the input.
         self.input_names = [next((n for n in input_names if n in port.get_names()),
                                  port.get_any_name()) for port in compiled.inputs]
-        self.output_names = [port.get_any_name() for port in compiled.outputs]
+        # A traced model's outputs may carry no tensor name (OpenVINO then raises on asking).
+        self.output_names = [port.get_any_name() if port.get_names() else f"output_{i}"
+                             for i, port in enumerate(compiled.outputs)]
         self._local = threading.local()
 
     def run_ordered(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
