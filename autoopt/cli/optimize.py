@@ -14,7 +14,6 @@ from autoopt.cli.common import (
     named_dynamic_shapes,
     parse_budget_option,
 )
-from autoopt.cli.loading import load_calibration
 from autoopt.cli.names import PRECISIONS
 from autoopt.cli.progress import output, stage
 from autoopt.errors import ConfigError
@@ -75,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
         if args.precision != "int8":
             raise ConfigError("--calibration gives static int8 its activation ranges; add "
                               "--precision int8")
+        from autoopt.cli.loading import load_calibration
+
         calibration = load_calibration(args.calibration)
     dims = set(args.dynamic)
     model, inputs, kwargs = load_workload(args, train=args.train,
