@@ -272,7 +272,7 @@ def _static_int8(graph: WholeGraph) -> Lowering:
     """The fp32 graph's ONNX file quantized (QDQ) on the calibration batches, in a session,
     with the ops int8 errs at most kept in floating point where it errs beyond the
     tolerance."""
-    source, made = graph.source, {}
+    source = graph.source
 
     def attempt(kept: list[str]) -> OrtGraph:
         folder = static_int8.int8_folder()
@@ -292,10 +292,4 @@ def _static_int8(graph: WholeGraph) -> Lowering:
         run.int8_folder = folder  # the session maps the file: kept while the session lives
         return run
 
-    def build() -> OrtGraph:
-        run = static_int8.fallback(graph).within(attempt)
-        made["summary"] = run.int8
-        return graph.warm(run)
-
-    return Lowering("onnxruntime", build, memory=3 * memory_estimate(source),
-                    regions=lambda: made["summary"].describe(graph.config.precision_tolerance))
+    return static_int8.lowering("onnxruntime", graph, attempt, 3 * memory_estimate(source))

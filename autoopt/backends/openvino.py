@@ -247,7 +247,7 @@ def _static_int8(graph: WholeGraph) -> Lowering:
     """The fp32 graph quantized by NNCF on the calibration batches, compiled by OpenVINO,
     with the ops int8 errs at most kept in floating point where it errs beyond the
     tolerance."""
-    source, made = graph.source, {}
+    source = graph.source
 
     def attempt(kept: list[str]) -> OrtGraph:
         excluded: list[str] = []
@@ -308,13 +308,7 @@ def _static_int8(graph: WholeGraph) -> Lowering:
                      "ONNX file's model", exc)
             return attempt(kept)
 
-    def build() -> OrtGraph:
-        run = static_int8.fallback(graph).within(first)
-        made["summary"] = run.int8
-        return graph.warm(run)
-
-    return Lowering("openvino", build, memory=3 * memory_estimate(source),
-                    regions=lambda: made["summary"].describe(graph.config.precision_tolerance))
+    return static_int8.lowering("openvino", graph, first, 3 * memory_estimate(source))
 
 
 def _converted(graph: WholeGraph, source: GraphModule, input_names: list[str],

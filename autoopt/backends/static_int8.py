@@ -26,7 +26,7 @@ import contextlib
 import importlib.metadata
 import logging
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
+from autoopt.backends.base import Lowering
 from autoopt.errors import ConfigError
 from autoopt.onnx.signature import flat_tensors, in_forward_order
 from autoopt.options.backends import STATIC_INT8
@@ -315,6 +316,22 @@ def fallback(graph: Any) -> Fallback:
                          graph.config.random_inputs)
         graph._int8_fallback = found
     return found
+
+
+def lowering(name: str, graph: Any, attempt: Callable[[list[str]], Any],
+             memory: int) -> Lowering:
+    """Engine ``name``'s static int8 candidate: ``attempt(kept)`` builds it with the fx ops
+    ``kept`` in floating point, as few kept as bring it within the tolerance (``Fallback``);
+    its report line is its ``Summary``."""
+    made: dict[str, Summary] = {}
+
+    def build() -> Any:
+        run = fallback(graph).within(attempt)
+        made["summary"] = run.int8
+        return graph.warm(run)
+
+    return Lowering(name, build, memory=memory,
+                    regions=lambda: made["summary"].describe(graph.config.precision_tolerance))
 
 
 def refusal(source: GraphModule, calibration: Calibration, args: tuple[Any, ...],
