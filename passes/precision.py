@@ -47,8 +47,10 @@ from .precision_cast import (
     range_refusal,
 )
 from .precision_int8 import (
+    DYNAMIC,
     FASTER,
     KERNEL,
+    KERNEL_NAMES,
     KERNELS,
     Int8Interpreter,
     apply_int8,
@@ -178,7 +180,7 @@ class PrecisionSummary:
                 f"{op} x{count}" if count > 1 else op for op, count in by_op.items()))
         if self.kernels:
             group = f" (groups of {self.group})" if self.group else ""
-            rows.append("  kernels: " + ", ".join(f"{_KERNEL_NAMES.get(k, k)} x{count}"
+            rows.append("  kernels: " + ", ".join(f"{KERNEL_NAMES.get(k, k)} x{count}"
                                                   for k, count in self.kernels) + group)
         if self.agreement is not None:
             rows.append("  " + agreement_line(self.agreement, self.min_agreement))
@@ -186,11 +188,6 @@ class PrecisionSummary:
         if len(self.kept) > limit:
             rows.append(f"  ... {len(self.kept) - limit} more (report.captures[i].precision)")
         return [head, *rows]
-
-
-_KERNEL_NAMES = {"int8": "int8 dynamic (int8 activations)",
-                 "int8_weight": "int8 weight-only (bf16 activations)",
-                 "int4": "int4 weight-only (bf16 activations)"}
 
 
 def agreement_line(measured: Agreement, required: float | None) -> str:
@@ -415,7 +412,7 @@ def _int8(gm: GraphModule, ctx: PassContext, tolerance: float,
         # The dynamic kernel quantizes activations too; the weight-only one errs less. Where
         # the error kept dynamic linears in fp32, try those the weight-only kernel also runs
         # faster than fp32 (or all, unmeasured) with it, and keep the choice that quantizes more.
-        switch = {n.name for n in nodes if n.name in kept and kernel_of[n.name] == "int8"
+        switch = {n.name for n in nodes if n.name in kept and kernel_of[n.name] in DYNAMIC
                   and "int8_weight" in n.meta.get(FASTER, kernels_for(gm, n, precision,
                                                                       ctx.options))}
         if switch:

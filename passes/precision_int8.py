@@ -43,6 +43,10 @@ aten = torch.ops.aten
 # oneDNN's int8 kernels use VNNI/AMX where the CPU has them (about 2x faster than the x86
 # engine's FBGEMM at BERT-base shapes on Sapphire Rapids); the others are fallbacks.
 _ENGINES = ("onednn", "x86", "fbgemm", "qnnpack")
+# The second dynamic kernel: FBGEMM's (the x86 engine's linear), measured beside oneDNN's.
+# On an AMD EPYC with AVX-512 VNNI and no AMX it streams a decode step's weights 1.3-1.5x
+# faster (768 x 768 at one row, 1 thread, weights out of cache: 48 against 73 us).
+_FBGEMM_ENGINES = ("x86", "fbgemm")
 
 
 def _operands(node: Node) -> tuple[Any, Any, Any, bool] | None:
@@ -66,7 +70,14 @@ KERNEL = "autoopt_quantized_kernel"
 FASTER = "autoopt_quantized_faster"
 # The kernels of each precision, by the name they are measured under; the first is the one
 # taken unmeasured.
-KERNELS = {"int8": ("int8", "int8_weight"), "int4": ("int4",)}
+KERNELS = {"int8": ("int8", "int8_fbgemm", "int8_weight"), "int4": ("int4",)}
+# What the report calls them.
+KERNEL_NAMES = {"int8": "int8 dynamic (int8 activations)",
+                "int8_fbgemm": "int8 dynamic, FBGEMM's (int8 activations)",
+                "int8_weight": "int8 weight-only (bf16 activations)",
+                "int4": "int4 weight-only (bf16 activations)"}
+# The dynamic kernels (int8 activations quantized per call): each packs for its engine.
+DYNAMIC = ("int8", "int8_fbgemm")
 
 
 def is_linear(node: Node) -> bool:
@@ -86,7 +97,8 @@ def kernels_for(gm: GraphModule, node: Node, precision: str, options: Any) -> tu
     that one)."""
     weight = _weight_of(gm, node)
     group = group_size(options)
-    fits = {"int8": True, "int8_weight": weight_only.int8_weight_fits(weight),
+    fits = {"int8": True, "int8_fbgemm": _fbgemm_engine() is not None,
+            "int8_weight": weight_only.int8_weight_fits(weight),
             "int4": weight_only.int4_fits(weight, group)}
     wanted = options.get("kernel")
     return tuple(k for k in KERNELS[precision] if fits[k] and wanted in (None, k))
@@ -193,7 +205,7 @@ def apply_int8(gm: GraphModule, names: Iterable[str] | Mapping[str, str],
         kernel = kernels.get(node.name)
         if kernel is None:
             continue
-        if kernel != "int8":
+        if kernel not in DYNAMIC:
             weight = _packed_for(gm, node, packed, kernel, group)
             with gm.graph.inserting_before(node):
                 attrs = {}
@@ -207,7 +219,7 @@ def apply_int8(gm: GraphModule, names: Iterable[str] | Mapping[str, str],
             replaced += 1
             continue
         name = fresh_name(gm, f"{node.name}_int8_packed")
-        setattr(gm, name, _packed_for(gm, node, packed))
+        setattr(gm, name, _packed_for(gm, node, packed, kernel))
         with gm.graph.inserting_before(node), warnings.catch_warnings():
             # fx warns on get_attr of anything but a parameter, buffer or submodule; a packed
             # weight is a TorchScript object, which GraphModule holds as a plain attribute.
@@ -244,7 +256,8 @@ def slower_than_fp32(gm: GraphModule, ctx: Any, nodes: Iterable[Node]) -> dict[s
     makes: dict[str, Callable[..., Any]] = {
         "int8_weight": lambda w, b, rowwise: _weight_only_call(weight_only.quantize_int8(w), b),
         "int4": lambda w, b, rowwise: _weight_only_call(weight_only.quantize_int4(w, group), b),
-        "int8": lambda w, b, rowwise: int8_linear(w, b, rowwise)}
+        "int8": lambda w, b, rowwise: int8_linear(w, b, rowwise),
+        "int8_fbgemm": lambda w, b, rowwise: int8_linear(w, b, rowwise, _fbgemm_engine())}
     measured: dict[str, Any] = {}
     cold = weights_outgrow_cache(gm)
     slow = {}
@@ -278,12 +291,12 @@ def _weight_only_call(weight: Any, bias: torch.Tensor | None,
     return lambda x: weight_only.linear(x, weight, bias)
 
 
-def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None,
-                rowwise: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, rowwise: bool,
+                engine: str | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """What ``apply_int8`` puts in a linear's place, as a function of its input: ``weight``
-    ``(out, in)`` quantized and packed once."""
+    ``(out, in)`` quantized and packed once (for ``engine``; ``int8_engine()`` by default)."""
     pack = _pack(weight.detach().contiguous(), None if rowwise or bias is None
-                 else bias.detach())
+                 else bias.detach(), engine)
     return lambda x: _int8_call(x, pack, rowwise, bias)
 
 
@@ -318,7 +331,7 @@ class Int8Interpreter(Interpreter):
         bias = _bias(n)
         bias = None if bias is None else self.env[bias]
         weight = _packed_for(self.module, n, self.packed, kernel, self.group)
-        if kernel != "int8":
+        if kernel not in DYNAMIC:
             return weight_only.linear(self.env[_input(n)], weight, bias)
         return _int8_call(self.env[_input(n)], weight, _rowwise(n), bias)
 
@@ -397,7 +410,8 @@ def _packed_for(gm: Any, node: Node, packed: dict[Any, Any], kernel: str = "int8
         else:
             bias = attr(gm, bias_node) if bias_node is not None and not _rowwise(node) \
                 else None
-            packed[key] = _pack(weight.detach(), None if bias is None else bias.detach())
+            packed[key] = _pack(weight.detach(), None if bias is None else bias.detach(),
+                                _fbgemm_engine() if kernel == "int8_fbgemm" else None)
     return packed[key]
 
 
@@ -413,11 +427,19 @@ def int8_engine() -> str | None:
     return next((e for e in _ENGINES if e in supported), None)
 
 
-def _pack(weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+def _fbgemm_engine() -> str | None:
+    """The engine ``int8_fbgemm`` packs for: None where this build has none, or where it is
+    the one ``int8`` packs for already (no second kernel to measure)."""
+    supported = torch.backends.quantized.supported_engines
+    found = next((e for e in _FBGEMM_ENGINES if e in supported), None)
+    return None if found == int8_engine() else found
+
+
+def _pack(weight: torch.Tensor, bias: torch.Tensor | None, engine: str | None = None) -> Any:
     # Symmetric per-output-channel scales: a row's largest magnitude maps to 127.
     scales = (weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0).to(torch.float64)
     zeros = torch.zeros(weight.shape[0], dtype=torch.int64)
-    with _engine(int8_engine()), _quiet_deprecation():
+    with _engine(engine or int8_engine()), _quiet_deprecation():
         q = torch.quantize_per_channel(weight, scales, zeros, 0, torch.qint8)
         return torch.ops.quantized.linear_prepack(q, bias)
 

@@ -142,7 +142,8 @@ def test_an_output_width_int4_cannot_pack_is_padded_and_sliced_back() -> None:
 
 
 @pytest.mark.parametrize(("model", "precision", "kernel"), [
-    (_llama, "int8", "int8"), (_llama, "int8", "int8_weight"), (_llama, "int4", "int4"),
+    (_llama, "int8", "int8"), (_llama, "int8", "int8_fbgemm"), (_llama, "int8", "int8_weight"),
+    (_llama, "int4", "int4"),
     (_gpt2, "int8", "int8_weight"), (_gpt2, "int4", "int4")])
 def test_each_kernel_computes_the_model_within_the_tolerance(model: Any, precision: str,
                                                              kernel: str) -> None:
@@ -159,6 +160,7 @@ def test_each_kernel_computes_the_model_within_the_tolerance(model: Any, precisi
     summary = result.graph_module.meta["precision"]
     assert summary.kernels == ((kernel, linears),) and summary.low_ops == linears
     op = {"int8": torch.ops.quantized.linear_dynamic.default,
+          "int8_fbgemm": torch.ops.quantized.linear_dynamic.default,
           "int8_weight": aten._weight_int8pack_mm.default,
           "int4": aten._weight_int4pack_mm_for_cpu.default}[kernel]
     quantized = result.graph_module
@@ -199,25 +201,27 @@ class _Picks:
 
 
 def test_int8_kernel_of_each_linear_is_chosen_by_measurement() -> None:
-    """Both int8 kernels are timed against fp32's for each shape; each linear gets the one
-    measured fastest, and one where fp32 wins stays fp32."""
+    """Every int8 kernel (oneDNN's and FBGEMM's dynamic ones, the weight-only one) is timed
+    against fp32's for each shape; each linear gets the one measured fastest, and one where
+    fp32 wins stays fp32."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(),
                                 torch.nn.Linear(48, 32), torch.nn.ReLU(),
-                                torch.nn.Linear(32, 16)).eval()
+                                torch.nn.Linear(32, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 8)).eval()
     x = torch.randn(4, 64)
     with torch.no_grad():
         gm = capture.export_graph(model, (x,), {})
-    cost = _Picks({48: "int8_weight", 32: "int8"})
+    cost = _Picks({48: "int8_weight", 32: "int8", 16: "int8_fbgemm"})
     result = cast_precision(gm, PassContext((x,), cost=cost, options={"precision": "int8"}))
-    assert [set(names) >= {"aten", "int8", "int8_weight"} for _, names in cost.asked] == \
-        [True] * 3
+    assert [set(names) >= {"aten", "int8", "int8_fbgemm", "int8_weight"}
+            for _, names in cost.asked] == [True] * 4
     summary = result.graph_module.meta["precision"]
-    assert summary.kernels == (("int8", 1), ("int8_weight", 1))
+    assert summary.kernels == (("int8", 1), ("int8_fbgemm", 1), ("int8_weight", 1))
     assert [k.why.startswith("int8 measured slower than fp32") for k in summary.kept] == [True]
     targets = _targets(result.graph_module)
     assert targets.count(aten._weight_int8pack_mm.default) == 1
-    assert targets.count(torch.ops.quantized.linear_dynamic.default) == 1
+    assert targets.count(torch.ops.quantized.linear_dynamic.default) == 2
     assert targets.count(aten.linear.default) == 1
     result.graph_module.recompile()
     with torch.no_grad():
