@@ -3,6 +3,8 @@ from the mask at each call."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import transformers
@@ -15,6 +17,8 @@ from autoopt.passes.attention_window import _window, windowed_sdpa
 
 F = nn.functional
 MIN = torch.finfo(torch.float32).min
+# The module (the package's name of the same spelling is the pass function).
+window_module = importlib.import_module("autoopt.passes.attention_window")
 
 
 def cache(b: int = 2, h: int = 3, queries: int = 1, length: int = 256, d: int = 16,
@@ -91,6 +95,46 @@ def test_left_as_it_is(case: str) -> None:
     result = attention_window(gm, context)
     assert not result.modified
     assert not any(n.target is windowed_sdpa for n in result.graph_module.graph.nodes)
+
+
+def test_the_mask_every_layer_passes_is_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layers of one step pass one mask object: its window is read once; a mask written
+    in place, or another mask, is read again."""
+    reads: list[int] = []
+    monkeypatch.setattr(window_module, "_window",
+                        lambda mask, length: reads.append(length) or _window(mask, length))
+    q, k, v, mask = cache(filled=40)
+    for _ in range(3):
+        torch.testing.assert_close(windowed_sdpa(q, k, v, mask), F.scaled_dot_product_attention(
+            q, k, v, mask))
+    assert reads == [256]
+    mask[..., 40:100] = True  # the next position written in place: a longer window
+    torch.testing.assert_close(windowed_sdpa(q, k, v, mask),
+                               F.scaled_dot_product_attention(q, k, v, mask))
+    windowed_sdpa(q, k, v, mask.clone())
+    assert reads == [256] * 3
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
+def test_a_low_precision_decode_step_attends_in_fp32(mask_kind: str) -> None:
+    """bf16 attention of one query over a short cache: rewritten, computed in fp32 on the
+    bf16 inputs and rounded once; a prompt's many queries stay as they are."""
+    q, k, v, mask = cache(length=64)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    mask = {"bool": mask, "none": None,
+            "float": torch.zeros(mask.shape, dtype=torch.bfloat16).masked_fill(
+                ~mask, torch.finfo(torch.bfloat16).min)}[mask_kind]
+    result = attention_window(export_graph(Step(), (q, k, v, mask), {}), PassContext())
+    assert result.counts == {"attention_window": 1}
+    got = result.graph_module(q, k, v, mask)
+    expected = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), None if mask is None else
+        mask if mask.dtype == torch.bool else mask.float(), scale=0.5)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, rtol=2**-8, atol=1e-6)
+    prompt = cache(queries=32, length=64)
+    prompt = (*(t.bfloat16() for t in prompt[:3]), prompt[3])
+    assert not attention_window(export_graph(Step(), prompt, {}), PassContext()).modified
 
 
 @torch.no_grad()
