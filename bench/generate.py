@@ -16,6 +16,11 @@ batch 1 and 8. Runners, interleaved per round, medians over rounds:
 - ``eager``: ``model.generate`` (dynamic KV cache, transformers' default);
 - ``compile``: transformers' documented recipe, ``generation_config.cache_implementation =
   "static"`` and ``model.forward = torch.compile(model.forward)``;
+- ``llama.cpp f32/f16/Q8_0/Q4_0``: llama.cpp (llama-cpp-python, which pip builds from
+  source for this CPU) on GGUF files of the same weights that ``gguf_file.py`` writes with
+  llama.cpp's own ``gguf`` package, "pure" quantization; greedy over the last token's logits,
+  with the same logits processors; batch 1 only, left out with ``--no-llama-cpp`` and skipped
+  with the reason where llama-cpp-python is not installed;
 - ``autoopt``: ``autoopt.optimize(model, (ids,)).generate(...)``, with ``precision="bf16"``
   (bf16 weights, oneDNN's packed bf16 linears where measured faster), ``precision="int8"``
   (each linear in int8 where its error fits, with the int8 kernel, dynamic or weight-only,
@@ -58,6 +63,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import child_process  # noqa: E402
+import gguf_file  # noqa: E402
 from cost_model_accuracy import heading, publish  # noqa: E402
 
 import autoopt  # noqa: E402
@@ -231,9 +237,44 @@ def _child_setup(args: argparse.Namespace) -> int:
     return 0
 
 
+# What a weight of each llama.cpp file type costs in bytes (Q8_0: 32 int8 and an f16 scale
+# per block of 32; Q4_0: 32 nibbles and an f16 scale).
+GGUF_BYTES = {"f32": 4.0, "f16": 2.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32}
+
+
+def llama_cpp_runners(model: nn.Module, ids: torch.Tensor, new: int, device: torch.device,
+                      folder: Path) -> dict[str, Any]:
+    """llama.cpp on the same weights at each of ``gguf_file.TYPES``, by label: (generate, its
+    tokens, setup seconds: writing the file, loading it and two calls), or why not."""
+    labels = [f"llama.cpp {kind}" for kind in gguf_file.TYPES]
+    why = ("the CPU only" if device.type != "cpu" else
+           "batch 1 only (llama-cpp-python's generate)" if ids.shape[0] != 1 else
+           gguf_file.available())
+    if why:
+        return {"llama.cpp": f"skipped: {why}"}
+    found: dict[str, Any] = {}
+    for kind, label in zip(gguf_file.TYPES, labels, strict=True):
+        print(f"[{model.config.model_type} b1] {label}: write, load and two calls", flush=True)
+        start = time.perf_counter()
+        path = gguf_file.write(model, folder / f"{model.config.model_type}-{kind}.gguf", kind)
+        runner = gguf_file.Runner(path, torch.get_num_threads(), ids.shape[1] + new + 8)
+        tokens = runner.generate(ids, new)
+        runner.generate(ids, new)
+        found[label] = runner.generate, tokens, time.perf_counter() - start
+    return found
+
+
 def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
               bytes_per_s: float, device: torch.device, cold: bool = False,
-              int8_forced: bool = False) -> list[dict[str, Any]]:
+              int8_forced: bool = False, llama_cpp: bool = True) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="autoopt-gguf-") as folder:
+        return _run_model(name, batch, prompt, new, rounds, bytes_per_s, device, cold,
+                          int8_forced, llama_cpp, Path(folder))
+
+
+def _run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
+               bytes_per_s: float, device: torch.device, cold: bool, int8_forced: bool,
+               llama_cpp: bool, folder: Path) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     model = MODELS[name]().to(device)
     ids = torch.randint(1, model.config.vocab_size, (batch, prompt), device=device)
@@ -267,6 +308,12 @@ def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
             continue
         runners[label] = synced(generate, device)
         modules[label] = generate.__self__
+    peers = llama_cpp_runners(model, ids, new, device, folder) if llama_cpp else {}
+    for label, peer in peers.items():
+        if isinstance(peer, str):
+            failed[label] = peer
+            continue
+        runners[label], tokens[label], setup[label] = peer
     cold_s: dict[str, float | str] = {}
     for label in ("compile", "autoopt", f"autoopt {low}") if cold else ():
         if label in runners:
@@ -281,13 +328,14 @@ def run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
     # Only where the weights are stored in low precision: fp32 runners generate eager's tokens.
     print(f"[{name} b{batch}] autoopt {low}: next tokens given eager's prefix", flush=True)
     forced = {label: next_token_agreement(runners[label], model, tokens["eager"], prompt)
-              for label in labels[1:] if label in modules}
+              for label in (*labels[1:], *peers) if label in modules or label in runners}
     rows: list[dict[str, Any]] = [dict(model=name, batch=batch, runner=label, failed=why,
                                        weights_mib=weight_bytes(model) / 2**20)
                                   for label, why in failed.items()]
     for label, t in timings.items():
         words = label.split()
-        read = read_fp32 / {"int8": 4, "int4": 8, "bf16": 2}.get(
+        read = read_fp32 / {"int8": 4, "int4": 8, "bf16": 2,
+                            **{k: 4 / b for k, b in GGUF_BYTES.items()}}.get(
             words[1] if len(words) > 1 else "", 1)
         rows.append(dict(model=name, batch=batch, runner=label,
                          first_ms=t.first_token_s * 1e3, decode=t.decode_tokens_per_s,
@@ -322,7 +370,11 @@ def table(rows: list[dict[str, Any]], threads: int, command: str, bytes_per_s: f
         f"refuse is timed). Setup = the time until every graph "
         f"is ready: optimize or compile plus two calls, less one call's median time (autoopt's "
         f"first call runs the prompt step eagerly to size the cache, its second captures the "
-        f"prompt graph; the recipe compiles in its first)" + (
+        f"prompt graph; the recipe compiles in its first; llama.cpp: writing the GGUF file, "
+        f"loading it and two calls). llama.cpp rows: llama-cpp-python built from source here, "
+        f"on GGUF files of the same weights (bench/gguf_file.py: every matrix in the named "
+        f"type, as `llama-quantize --pure`; the roofline counts Q8_0 as 34 bytes per 32 "
+        f"weights, Q4_0 as 18)" + (
             "; cold setup = the same in a fresh process with empty Inductor and autoopt "
             "caches, less a third call there (a new user's first run)." if cold else "."),
         "",
@@ -333,7 +385,9 @@ def table(rows: list[dict[str, Any]], threads: int, command: str, bytes_per_s: f
     for r in rows:
         if "failed" in r:
             lines.append(f"| {r['model']} ({r['weights_mib']:.0f} MiB) | {r['batch']} | "
-                         f"{r['runner']} | failed: {r['failed']} | | | | | | | | |"
+                         f"{r['runner']} | "
+                         f"{'' if r['failed'].startswith('skipped') else 'failed: '}"
+                         f"{r['failed']} | | | | | | | | |"
                          + (" |" if cold else ""))
             continue
         setup = f"{r['setup']:.1f}" if r["setup"] is not None else "-"
@@ -367,6 +421,9 @@ def main() -> int:
     parser.add_argument("--int8-forced", action="store_true",
                         help="also autoopt int8 with pass_options={'precision': {'force': "
                              "True}}: int8 wherever its error fits, its speed not measured")
+    parser.add_argument("--no-llama-cpp", action="store_true",
+                        help="leave out llama.cpp's rows (f32, f16, Q8_0, Q4_0 files of the "
+                             "same weights, batch 1; where llama-cpp-python is installed)")
     parser.add_argument("--child-setup", metavar="RUNNER", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -378,7 +435,8 @@ def main() -> int:
     for name in args.models.split(","):
         for batch in map(int, args.batches.split(",")):
             rows.extend(run_model(name, batch, args.prompt, args.new, args.rounds,
-                                  bytes_per_s, device, args.cold, args.int8_forced))
+                                  bytes_per_s, device, args.cold, args.int8_forced,
+                                  not args.no_llama_cpp))
     command = "python bench/generate.py " + " ".join(sys.argv[1:])
     publish(table(rows, args.threads, command.strip(), bytes_per_s, args.prompt, args.new,
                   device, args.cold), write=args.write, out=args.out)
