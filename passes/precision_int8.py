@@ -154,6 +154,10 @@ def why_no_candidate(gm: GraphModule, precision: str, options: Any) -> str:
     tail = f"; {heavy}" if conv_heavy and convs else ""
     wanted = options.get("kernel")
     unfit = [n for n in stored if not kernels_for(gm, n, precision, options)]
+    if stored and wanted == "int8_fbgemm" and _fbgemm_engine() is None:
+        return ("the int8_fbgemm kernel is FBGEMM's, and this PyTorch build has no x86 "
+                "quantized engine besides the one the int8 kernel packs for. Leave the kernel "
+                "option out, or drop precision=")
     if stored and len(unfit) == len(stored):
         kernel = wanted or KERNELS[precision][-1]
         shapes = sorted({tuple(_weight_of(gm, n).shape) for n in unfit})

@@ -18,7 +18,7 @@ from autoopt import capture
 from autoopt.errors import ConfigError
 from autoopt.options.config import OptimizeConfig
 from autoopt.options.precision import check_target
-from autoopt.passes import PassContext, weight_only
+from autoopt.passes import PassContext, precision_int8, weight_only
 from autoopt.passes.precision import cast_precision
 
 aten = torch.ops.aten
@@ -478,6 +478,19 @@ def test_a_refusal_says_the_one_reason_that_applied(model: Any, x: tuple[int, ..
     assert message.startswith(f"precision='{precision}' cannot apply to this model: ")
     assert re.search(says, message), message
     assert "tolerance" not in message and "'force'" not in message, message
+
+
+def test_fbgemm_named_where_the_build_has_no_second_engine_says_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build whose only x86 engine is the one ``int8`` packs for (or none, ARM) has no
+    ``int8_fbgemm`` kernel: asking for it refuses with that reason, not a width."""
+    monkeypatch.setattr(precision_int8, "_fbgemm_engine", lambda: None)
+    with pytest.raises(ConfigError) as raised:
+        autoopt.optimize(torch.nn.Sequential(torch.nn.Linear(64, 32)).eval(),
+                         (torch.randn(4, 64),), precision="int8",
+                         pass_options={"precision": {"kernel": "int8_fbgemm"}})
+    assert "the int8_fbgemm kernel is FBGEMM's, and this PyTorch build has no x86 quantized " \
+        "engine besides" in str(raised.value)
 
 
 def test_a_tolerance_no_linear_meets_is_the_reason_given() -> None:
