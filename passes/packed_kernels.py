@@ -3,7 +3,12 @@ on a weight reordered once into its blocked layout, bound to one weight as a cal
 calls (``PackedLinear``); the oneDNN copies are shared by every graph of one model.
 
 MKL's packed GEMM is fp32 only; oneDNN's runs fp32 and bf16 (AMX or AVX-512 BF16 where the CPU
-has them: a bf16 decode step's linears read half of fp32's bytes).
+has them: a bf16 decode step's linears read half of fp32's bytes). For bf16 linears FBGEMM's
+fp16 GEMM (``fbgemm_fp16``: ``quantized::linear_dynamic_fp16``) is the other candidate: the
+bf16 weight held in fp16, which holds every bf16 value from 2^-14 to 65504 exactly (a
+smaller one to within 2^-25), the activations in fp32, the product rounded to bf16 once, as
+oneDNN's. It streams a decode step's weights at ~28 GB/s where oneDNN's bf16 GEMV reads ~14
+(an AMD EPYC without AMX, 1 thread, one row; llama.cpp's f16 reads ~25 there).
 """
 
 from __future__ import annotations
@@ -17,7 +22,11 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 # The packed kernels, in the order ties and the unmeasured default prefer them.
-KERNELS = ("mkl", "onednn")
+KERNELS = ("mkl", "onednn", "fbgemm_fp16")
+# Kernels that run on their packed copy alone (a weight a pass made is not kept beside it).
+_PACKED_ONLY = ("onednn", "fbgemm_fp16")
+# The largest magnitude fp16 holds: a weight beyond it is not packed for ``fbgemm_fp16``.
+_FP16_MAX = 65504.0
 # The dtypes some packed kernel computes in (``kernels_for``).
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -48,7 +57,7 @@ class PackedLinear:
         self.__name__ = f"{kernel}_linear"  # what FX prints and names the call's global
         self.weight, self.rows, self.source, self.derived = weight, rows, source, derived
         self.packed: torch.Tensor | None = self._pack()
-        if kernel == "onednn" and derived:
+        if kernel in _PACKED_ONLY and derived:
             # oneDNN runs on the packed copy alone: holding a weight a pass made (a merged
             # Q/K/V weight) would keep a second copy alive (the user's own costs nothing).
             self.weight = weight.to("meta")
@@ -68,6 +77,8 @@ class PackedLinear:
             # reordered at 1 thread runs as fast at 2 as one reordered at 2), and the kernel
             # takes any row count.
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        if self.kernel == "fbgemm_fp16":
+            return _fp16_linear(x, self.packed, bias)
         threads = torch.get_num_threads()
         if threads != self.threads:
             # MKL packs for the thread count of the moment: a weight packed at 1 thread runs on
@@ -96,7 +107,7 @@ class PackedLinear:
         if self.weight.is_meta:
             assert self.source is not None, "released without a source"
             weight = self.source()
-            if self.kernel == "onednn":
+            if self.kernel in _PACKED_ONLY:
                 self.packed = self._pack(weight)
                 return
             self.weight = weight
@@ -107,6 +118,10 @@ class PackedLinear:
         if self.kernel == "onednn":
             return _onednn_packed(weight, None if self.derived and self.source is None
                                   else _identity(self.source, weight))
+        if self.kernel == "fbgemm_fp16":
+            with _fp16_engine():
+                return torch.ops.quantized.linear_prepack_fp16(
+                    weight.detach().float().contiguous(), None)
         return torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), self.rows)
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -114,7 +129,12 @@ class PackedLinear:
         if self.packed is None:
             self.restore()
         assert self.packed is not None
-        weight = self.packed.to_dense() if self.weight.is_meta else self.weight
+        if not self.weight.is_meta:
+            weight = self.weight
+        elif self.kernel == "fbgemm_fp16":
+            weight = torch.ops.quantized.linear_unpack_fp16(self.packed)[0].to(x.dtype)
+        else:
+            weight = self.packed.to_dense()
         return F.linear(x, weight, bias)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PackedLinear:
@@ -183,6 +203,38 @@ def _onednn_packed(weight: torch.Tensor, key: tuple[Any, ...] | None) -> torch.T
     return packed
 
 
+def _fp16_linear(x: torch.Tensor, packed: Any, bias: torch.Tensor | None) -> torch.Tensor:
+    """FBGEMM's fp16-weight GEMM on ``x`` (bf16) in fp32, the bias added in fp32, the result
+    rounded to ``x``'s dtype once."""
+    y = torch.ops.quantized.linear_dynamic_fp16(x.reshape(-1, x.shape[-1]).float(), packed)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+
+class _fp16_engine:  # noqa: N801 - a context manager used like a function
+    """FBGEMM's engine while a weight is packed (the packed weight remembers it)."""
+
+    def __enter__(self) -> None:
+        self.previous = torch.backends.quantized.engine
+        torch.backends.quantized.engine = _fbgemm_engine_name()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.backends.quantized.engine = self.previous
+
+
+def _fbgemm_engine_name() -> str | None:
+    supported = torch.backends.quantized.supported_engines
+    return next((e for e in ("x86", "fbgemm") if e in supported), None)
+
+
+def fits_fp16(weight: torch.Tensor) -> bool:
+    """Whether ``fbgemm_fp16`` can hold ``weight``: every magnitude within fp16's range."""
+    if weight.is_meta or isinstance(weight, FakeTensor):
+        return True
+    return bool(weight.detach().abs().amax() <= _FP16_MAX) if weight.numel() else True
+
+
 def kernels(device: torch.device) -> tuple[str, ...]:
     """The packed kernels this PyTorch build has for ``device``, in ``KERNELS``' order."""
     if device.type != "cpu":
@@ -192,17 +244,21 @@ def kernels(device: torch.device) -> tuple[str, ...]:
         "onednn": (torch.backends.mkldnn.is_available()
                    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
                    and hasattr(torch.ops.mkldnn, "_linear_pointwise")),
+        "fbgemm_fp16": (_fbgemm_engine_name() is not None
+                        and hasattr(torch.ops.quantized, "linear_prepack_fp16")),
     }
     return tuple(k for k in KERNELS if found[k])
 
 
 def kernels_for(dtype: torch.dtype) -> tuple[str, ...]:
     """The packed kernels that compute in ``dtype``: MKL's sgemm fp32 only; oneDNN's bf16 too
-    where this build and CPU run oneDNN in bf16 (elsewhere oneDNN refuses it)."""
+    where this build and CPU run oneDNN in bf16 (elsewhere oneDNN refuses it); FBGEMM's fp16
+    GEMM bf16 only (its fp16 weight would round an fp32 one)."""
     if dtype == torch.float32:
-        return KERNELS
-    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return ("onednn",)
+        return ("mkl", "onednn")
+    if dtype == torch.bfloat16:
+        return (("onednn",) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ()) + (
+            "fbgemm_fp16",)
     return ()
 
 

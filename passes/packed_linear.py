@@ -91,6 +91,7 @@ from .packed_kernels import (
     Concatenation,
     PackedLinear,
     available,
+    fits_fp16,
     kernels,
     kernels_for,
 )
@@ -280,7 +281,8 @@ def _usable(linear: _Linear, candidates: tuple[str, ...]) -> tuple[str, ...]:
     packed GEMM runs only at the row count it packed for (``aten.linear`` at any other), so a
     symbolic count leaves oneDNN, whose blocked weight serves any; MKL's is fp32 only."""
     return tuple(k for k in candidates if k in kernels_for(linear.weight.dtype)
-                 and not (k == "mkl" and linear.dynamic))
+                 and not (k == "mkl" and linear.dynamic)
+                 and not (k == "fbgemm_fp16" and not fits_fp16(linear.weight)))
 
 
 def _copies(ctx: PassContext, linear: _Linear, candidates: tuple[str, ...],

@@ -21,7 +21,14 @@ from autoopt.capture.graph import export_graph
 from autoopt.cost_model import CostCache, CostModel
 from autoopt.passes import PassContext, packed_linear
 from autoopt.passes.graph import portable, release_packed, restore_packed
-from autoopt.passes.packed_kernels import _SHARED, KERNELS, PackedLinear, available, kernels
+from autoopt.passes.packed_kernels import (
+    _SHARED,
+    KERNELS,
+    PackedLinear,
+    available,
+    kernels,
+    kernels_for,
+)
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not available(CPU),
@@ -189,7 +196,7 @@ def test_the_cost_model_chooses_and_remembers(tmp_path: Path) -> None:
     gm, counts = _rewrite(Before(), torch.randn(2, 5, 16), cost=cost)
     choices = {k: v for k, v in cost.cache.items() if k.startswith("fastest|linear|")}
     assert len(choices) == 2  # two distinct shapes, each measured every way this build has
-    every = {f"{k}_packed" for k in kernels(CPU)} | {"aten"}
+    every = {f"{k}_packed" for k in kernels(CPU) if k in kernels_for(torch.float32)} | {"aten"}
     assert all(set(v) == every for v in choices.values())
     assert counts.get("linear", 0) + counts.get("linear_kept_aten", 0) == 2
     assert counts.get("mkl", 0) + counts.get("onednn", 0) == counts.get("linear", 0)
@@ -240,7 +247,7 @@ def test_optimize_on_bert_uses_it_and_exports_take_the_portable_graph(tmp_path: 
     assert autoopt.export_onnx(fast, (ids,), tmp_path / "bert.onnx").ok
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", kernels_for(torch.float32))
 def test_packed_weights_are_dropped_and_packed_again_to_the_same_results(kernel: str) -> None:
     """While another backend is built and measured, the aten lowering's packed copies (and
     merged Q/K/V weights, concatenated again from the model's) are dropped; a call, or
@@ -381,8 +388,8 @@ def test_the_measured_choice_offers_every_kernel_and_the_graph_calls_the_chosen(
     model = model_cls().eval()
     cost = Chooses(choice)
     gm, counts = _rewrite(model, torch.randn(shape), cost=cost)
-    every = {f"{k}_packed" for k in kernels(CPU)} | {"aten"}
-    assert cost.offered == [every, every]  # each linear: aten and every packed kernel here
+    every = {f"{k}_packed" for k in kernels(CPU) if k in kernels_for(torch.float32)} | {"aten"}
+    assert cost.offered == [every, every]  # each linear: aten and every fp32 packed kernel
     if choice == "aten":
         assert counts == {"linear_kept_aten": 2} and _packed_calls(gm) == []
     else:
@@ -417,7 +424,7 @@ def test_without_onednn_the_choice_and_the_default_fall_back_cleanly(
 def test_without_mkl_the_choice_is_onednn_or_aten_and_the_default_rewrites_nothing(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
-    assert kernels(CPU) == ("onednn",) and available(CPU)
+    assert "mkl" not in kernels(CPU) and "onednn" in kernels(CPU) and available(CPU)
     model = Conv1D().eval()
     assert _rewrite(model, torch.randn(3, 4, 16))[1] == {}  # the default kernel is MKL's
     cost = Chooses("onednn_packed")
@@ -428,7 +435,7 @@ def test_without_mkl_the_choice_is_onednn_or_aten_and_the_default_rewrites_nothi
 
 
 def test_an_unknown_kernel_is_refused() -> None:
-    assert KERNELS == ("mkl", "onednn")
+    assert KERNELS == ("mkl", "onednn", "fbgemm_fp16")
     with pytest.raises(ValueError, match="no kernel 'cublas'"):
         _rewrite(Before(), torch.randn(2, 5, 16), options={"kernel": "cublas"})
     with pytest.raises(ValueError, match="no kernel"):
@@ -536,23 +543,28 @@ def test_a_weight_made_under_inference_mode_is_packed_on_its_own() -> None:
 @requires_onednn
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                     reason="oneDNN runs no bf16 on this CPU")
-@pytest.mark.parametrize("choice", ["onednn_packed", "aten"])
-def test_bf16_linears_are_offered_onednn_and_aten_and_compute_the_same(choice: str) -> None:
+@pytest.mark.parametrize("choice", ["onednn_packed", "fbgemm_fp16_packed", "aten"])
+def test_bf16_linears_are_offered_onednn_fbgemm_and_aten_and_compute_the_same(
+        choice: str) -> None:
     """precision='bf16' stores the linears' weights in bf16, and ATen's bf16 linear ran slower
     than oneDNN's packed one (a decode step's output projection: 9.2 against 7.6 ms from
-    memory, 1 thread, Intel Xeon with AMX): bf16 linears are offered oneDNN's kernel beside
-    ATen (MKL's packed sgemm is fp32 only), with the dtype in the cost model's key, and the
-    packed graph computes what ATen's does, within bf16 rounding."""
+    memory, 1 thread, Intel Xeon with AMX): bf16 linears are offered oneDNN's kernel and
+    FBGEMM's fp16 GEMM beside ATen (MKL's packed sgemm is fp32 only), with the dtype in the
+    cost model's key, and the packed graph computes what ATen's does, within bf16 rounding."""
+    if choice == "fbgemm_fp16_packed" and "fbgemm_fp16" not in kernels(CPU):
+        pytest.skip("this PyTorch build has no FBGEMM engine")
     model = Before().eval().to(torch.bfloat16)
     x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
     cost = Chooses(choice)
     gm, counts = _rewrite(model, x, cost=cost)
-    assert cost.offered == [{"onednn_packed", "aten"}] * 2
+    assert cost.offered == [{f"{k}_packed" for k in kernels(CPU)
+                             if k in kernels_for(torch.bfloat16)} | {"aten"}] * 2
     assert all("torch.bfloat16" in what for what, _ in cost.asked)
+    kernel = choice.removesuffix("_packed")
     if choice == "aten":
         assert counts == {"linear_kept_aten": 2}
     else:
-        assert counts == {"linear": 2, "onednn": 2} and _kernels_called(gm) == ["onednn"] * 2
+        assert counts == {"linear": 2, kernel: 2} and _kernels_called(gm) == [kernel] * 2
     for _ in range(3):
         x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
         with torch.no_grad():
@@ -569,3 +581,32 @@ def test_bf16_linears_are_offered_onednn_and_aten_and_compute_the_same(choice: s
     with torch.no_grad():
         gm = export_graph(mixed, (x,), {})
     assert not packed_linear(gm, PassContext()).modified
+
+
+@pytest.mark.skipif("fbgemm_fp16" not in kernels(CPU), reason="this PyTorch build has no "
+                    "FBGEMM engine")
+def test_fbgemm_fp16_computes_the_bf16_linear_in_fp32_and_packs_again_alike() -> None:
+    """FBGEMM's fp16 GEMM on a bf16 weight (every bf16 value in fp16's normal range held
+    exactly): the product of the bf16 weight and the bf16 input in fp32, rounded once, at one
+    row (a decode step) and at many; dropped and packed again, the same bits; a weight beyond
+    fp16's range is not offered it."""
+    torch.manual_seed(0)
+    weight = (torch.randn(48, 32) / 4).to(torch.bfloat16)
+    bias = torch.randn(48).to(torch.bfloat16)
+    kernel = PackedLinear(weight, 1, "fbgemm_fp16")
+    for rows in ((1, 1, 32), (3, 7, 32)):
+        x = torch.randn(rows).to(torch.bfloat16)
+        got = kernel(x, bias)
+        exact = (x.double() @ weight.double().t() + bias.double())
+        assert got.dtype == torch.bfloat16 and got.shape == (*rows[:-1], 48)
+        # One bf16 rounding of an fp32 product: within half a bf16 ulp, plus fp32's sum.
+        assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all()
+        torch.testing.assert_close(got, kernel.reference(x, bias), rtol=2**-7, atol=1e-5)
+    expected = kernel(x, bias)
+    derived = PackedLinear(weight.clone(), 1, "fbgemm_fp16", derived=True)
+    assert derived.weight.is_meta  # the packed copy is all it holds
+    torch.testing.assert_close(derived.reference(x, bias), kernel.reference(x, bias))
+    assert kernel.release() > 0 and kernel.packed is None
+    assert torch.equal(kernel(x, bias), expected)
+    from autoopt.passes.packed_kernels import fits_fp16
+    assert fits_fp16(weight) and not fits_fp16(torch.full((2, 2), 7e4, dtype=torch.bfloat16))
