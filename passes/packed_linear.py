@@ -53,14 +53,13 @@ against the memory optimize may still add (``optimize_memory``, or what is free:
 ``autoopt.cost_model.allowance``); a linear whose copies would not fit stays on ATen,
 counted as ``kept_for_memory``.
 
-fp32 linears, and bf16 ones (``precision="bf16"`` stores their weights in bf16) onto oneDNN
-or FBGEMM's fp16 GEMM (``packed_kernels``), on a CPU build with MKL or oneDNN, not in training (the packed copy is a constant that
-gradients would not reach). In bf16 ATen's linear is slower than oneDNN's packed one: 1
-thread, an Intel Xeon with AMX, one row, a 768x32000 output projection took 7.5 ms in ATen
-against 2.3 ms packed with the weight in cache, 9.2 against 7.6 ms streamed from memory as a
-decode step reads it (fp32: 8.5 ms and about 12 ms). It is a lowering: exports take the graph
-from before it
-(``autoopt.passes.LOWERING``).
+fp32 linears, and bf16 ones (``precision="bf16"`` stores their weights in bf16) onto oneDNN or
+FBGEMM's fp16 GEMM (``packed_kernels``), on a CPU build with MKL or oneDNN, not in training
+(the packed copy is a constant that gradients would not reach). In bf16 ATen's linear is slower
+than oneDNN's packed one: 1 thread, an Intel Xeon with AMX, one row, a 768x32000 output
+projection took 7.5 ms in ATen against 2.3 ms packed with the weight in cache, 9.2 against 7.6
+ms streamed from memory as a decode step reads it (fp32: 8.5 ms and about 12 ms). It is a
+lowering: exports take the graph from before it (``autoopt.passes.LOWERING``).
 """
 
 from __future__ import annotations
@@ -126,7 +125,8 @@ class _Linear:
 def packed_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
     """Rewrite fp32 (and bf16) linear layers with constant weights (``linear``, and
     ``addmm``/``mm`` on a constant right-hand matrix) to a packed GEMM (MKL's or oneDNN's; bf16
-    oneDNN's or FBGEMM's fp16 one) on a weight packed once, where the cost model measures one faster than ATen.
+    oneDNN's or FBGEMM's fp16 one) on a weight packed once, where the cost model measures one
+    faster than ATen.
 
     Options (``pass_options={"packed_linear": {...}}``): ``measure`` (default True) lets the
     cost model choose per shape among ATen and every packed kernel this build has; False (or no
