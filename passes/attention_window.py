@@ -21,10 +21,11 @@ passes the same mask, so it is read once a step (the window is kept for that mas
 cache shorter than 256 positions is left whole: there cutting and reading cost more than the
 keys saved (batch 1, 128 positions: 35 against 27 µs).
 
-A bf16 or fp16 attention of a few queries (a decode step) is computed in fp32 and its result
-rounded back: ATen's CPU flash kernel runs such a call 2.5-4x slower in bf16 than in fp32 on
-an AMD EPYC without AMX (a Llama-style step, 12 heads over 4 KV heads, 128 positions: 167
-against 27 µs, casts included 68), and fp32 holds the scores and softmax more closely.
+A bf16 or fp16 attention of a few queries over more keys (a decode step) is computed in fp32
+and its result rounded back: ATen's CPU flash kernel runs such a call 2.5-4x slower in bf16
+than in fp32 on an AMD EPYC without AMX (a Llama-style step, 12 heads over 4 KV heads, 128
+positions: 167 against 27 µs, casts included 68), and fp32 holds the scores and softmax more
+closely.
 
 CPU only: on a GPU the decode step replays as a CUDA graph, which cannot hold a length chosen
 at run time. A lowering (``autoopt.passes.LOWERING``): exports take the graph before it.
@@ -121,7 +122,7 @@ def attention_window(gm: GraphModule, ctx: PassContext) -> PassResult:
             continue  # a symbolic length: the prompt graph of any prompt
         window = (mask is not None and queries < keys and keys >= _LONGEST_GAIN
                   and mask.shape[-1] == keys)
-        if not (window or (q.dtype in _LOW and queries <= _FEW_QUERIES)):
+        if not (window or (q.dtype in _LOW and queries <= _FEW_QUERIES and queries < keys)):
             continue
         node.target = windowed_sdpa
         node.args = (kwargs["query"], kwargs["key"], kwargs["value"], kwargs.get("attn_mask"))
