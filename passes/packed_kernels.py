@@ -13,8 +13,9 @@ oneDNN's. It streams a decode step's weights at ~28 GB/s where oneDNN's bf16 GEM
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -119,7 +120,7 @@ class PackedLinear:
             return _onednn_packed(weight, None if self.derived and self.source is None
                                   else _identity(self.source, weight))
         if self.kernel == "fbgemm_fp16":
-            with _fp16_engine():
+            with quantized_engine(fbgemm_engine()):
                 return torch.ops.quantized.linear_prepack_fp16(
                     weight.detach().float().contiguous(), None)
         return torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), self.rows)
@@ -212,18 +213,21 @@ def _fp16_linear(x: torch.Tensor, packed: Any, bias: torch.Tensor | None) -> tor
     return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
-class _fp16_engine:  # noqa: N801 - a context manager used like a function
-    """FBGEMM's engine while a weight is packed (the packed weight remembers it)."""
+@contextlib.contextmanager
+def quantized_engine(name: str | None) -> Iterator[None]:
+    """Pack for ``name``; the packed weight remembers its engine, so restore the global one."""
+    previous = torch.backends.quantized.engine
+    if name is not None:
+        torch.backends.quantized.engine = name
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = previous
 
-    def __enter__(self) -> None:
-        self.previous = torch.backends.quantized.engine
-        torch.backends.quantized.engine = _fbgemm_engine_name()
 
-    def __exit__(self, *exc: Any) -> None:
-        torch.backends.quantized.engine = self.previous
-
-
-def _fbgemm_engine_name() -> str | None:
+def fbgemm_engine() -> str | None:
+    """The quantized engine that runs FBGEMM's kernels in this build (x86's linears are
+    FBGEMM's), or None (not an x86 build)."""
     supported = torch.backends.quantized.supported_engines
     return next((e for e in ("x86", "fbgemm") if e in supported), None)
 
@@ -244,7 +248,7 @@ def kernels(device: torch.device) -> tuple[str, ...]:
         "onednn": (torch.backends.mkldnn.is_available()
                    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
                    and hasattr(torch.ops.mkldnn, "_linear_pointwise")),
-        "fbgemm_fp16": (_fbgemm_engine_name() is not None
+        "fbgemm_fp16": (fbgemm_engine() is not None
                         and hasattr(torch.ops.quantized, "linear_prepack_fp16")),
     }
     return tuple(k for k in KERNELS if found[k])

@@ -121,6 +121,11 @@ class _Linear:
     def kernel(self, name: str) -> PackedLinear:
         return PackedLinear(self.weight, self.rows, name, self.derived, self.source)
 
+    @functools.cached_property
+    def fits_fp16(self) -> bool:
+        # A read of the whole weight: once, though the choice asks for it several times.
+        return fits_fp16(self.weight)
+
 
 def packed_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
     """Rewrite fp32 (and bf16) linear layers with constant weights (``linear``, and
@@ -282,7 +287,7 @@ def _usable(linear: _Linear, candidates: tuple[str, ...]) -> tuple[str, ...]:
     symbolic count leaves oneDNN, whose blocked weight serves any; MKL's is fp32 only."""
     return tuple(k for k in candidates if k in kernels_for(linear.weight.dtype)
                  and not (k == "mkl" and linear.dynamic)
-                 and not (k == "fbgemm_fp16" and not fits_fp16(linear.weight)))
+                 and not (k == "fbgemm_fp16" and not linear.fits_fp16))
 
 
 def _copies(ctx: PassContext, linear: _Linear, candidates: tuple[str, ...],

@@ -37,16 +37,13 @@ from torch.fx import GraphModule, Interpreter, Node
 
 from . import ops, weight_only
 from .graph import attr, fresh_name, meta_val
+from .packed_kernels import fbgemm_engine, quantized_engine
 
 aten = torch.ops.aten
 
 # oneDNN's int8 kernels use VNNI/AMX where the CPU has them (about 2x faster than the x86
 # engine's FBGEMM at BERT-base shapes on Sapphire Rapids); the others are fallbacks.
 _ENGINES = ("onednn", "x86", "fbgemm", "qnnpack")
-# The second dynamic kernel: FBGEMM's (the x86 engine's linear), measured beside oneDNN's.
-# On an AMD EPYC with AVX-512 VNNI and no AMX it streams a decode step's weights 1.3-1.5x
-# faster (768 x 768 at one row, 1 thread, weights out of cache: 48 against 73 us).
-_FBGEMM_ENGINES = ("x86", "fbgemm")
 
 
 def _operands(node: Node) -> tuple[Any, Any, Any, bool] | None:
@@ -432,10 +429,11 @@ def int8_engine() -> str | None:
 
 
 def _fbgemm_engine() -> str | None:
-    """The engine ``int8_fbgemm`` packs for: None where this build has none, or where it is
-    the one ``int8`` packs for already (no second kernel to measure)."""
-    supported = torch.backends.quantized.supported_engines
-    found = next((e for e in _FBGEMM_ENGINES if e in supported), None)
+    """The engine ``int8_fbgemm`` packs for (FBGEMM's, measured beside oneDNN's: on an AMD
+    EPYC with AVX-512 VNNI and no AMX it streams a decode step's weights 1.3-1.5x faster, 768
+    x 768 at one row, 1 thread, weights out of cache: 48 against 73 us): None where this build
+    has none, or where it is the one ``int8`` packs for already (no second kernel)."""
+    found = fbgemm_engine()
     return None if found == int8_engine() else found
 
 
@@ -443,21 +441,9 @@ def _pack(weight: torch.Tensor, bias: torch.Tensor | None, engine: str | None = 
     # Symmetric per-output-channel scales: a row's largest magnitude maps to 127.
     scales = (weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0).to(torch.float64)
     zeros = torch.zeros(weight.shape[0], dtype=torch.int64)
-    with _engine(engine or int8_engine()), _quiet_deprecation():
+    with quantized_engine(engine or int8_engine()), _quiet_deprecation():
         q = torch.quantize_per_channel(weight, scales, zeros, 0, torch.qint8)
         return torch.ops.quantized.linear_prepack(q, bias)
-
-
-@contextlib.contextmanager
-def _engine(name: str | None) -> Iterator[None]:
-    """Pack for ``name``; the packed weight remembers its engine, so restore the global one."""
-    previous = torch.backends.quantized.engine
-    if name is not None:
-        torch.backends.quantized.engine = name
-    try:
-        yield
-    finally:
-        torch.backends.quantized.engine = previous
 
 
 @contextlib.contextmanager
