@@ -322,6 +322,7 @@ def _run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
                                        torch.get_num_threads(), device)
     print(f"[{name} b{batch}] timing {rounds} interleaved round(s)", flush=True)
     timings = time_generation(runners, ids, new, rounds)
+    load = os.getloadavg()[0]  # over the last minute of the timed rounds
     weights = weight_bytes(model)
     read_fp32 = read_per_step(model)
     eager = timings["eager"].decode_tokens_per_s
@@ -346,7 +347,7 @@ def _run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
                          roofline=batch * bytes_per_s / read,
                          of_roofline=t.decode_tokens_per_s / (batch * bytes_per_s / read),
                          setup=setup[label] - t.total_s if label in setup else None,
-                         cold=cold_s.get(label), weights_mib=weights / 2**20))
+                         cold=cold_s.get(label), weights_mib=weights / 2**20, load=load))
     return rows
 
 
@@ -376,18 +377,20 @@ def table(rows: list[dict[str, Any]], threads: int, command: str, bytes_per_s: f
         f"type, as `llama-quantize --pure`; the roofline counts Q8_0 as 34 bytes per 32 "
         f"weights, Q4_0 as 18)" + (
             "; cold setup = the same in a fresh process with empty Inductor and autoopt "
-            "caches, less a third call there (a new user's first run)." if cold else "."),
+            "caches, less a third call there (a new user's first run)." if cold else ".")
+        + " Load = the 1-minute load average when the model's timed rounds ended (about the "
+        "thread count: the bench alone; more: other jobs shared the cores).",
         "",
         "| model | batch | runner | first token ms | decode tokens/s | vs eager | roofline "
         "tokens/s | of roofline | new tokens = eager's | next token = eager's | largest logit "
-        "error | setup s |" + (" cold setup s |" if cold else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cold else "")]
+        "error | setup s |" + (" cold setup s |" if cold else "") + " load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cold else "") + "---|"]
     for r in rows:
         if "failed" in r:
             lines.append(f"| {r['model']} ({r['weights_mib']:.0f} MiB) | {r['batch']} | "
                          f"{r['runner']} | "
                          f"{'' if r['failed'].startswith('skipped') else 'failed: '}"
-                         f"{r['failed']} | | | | | | | | |"
+                         f"{r['failed']} | | | | | | | | | |"
                          + (" |" if cold else ""))
             continue
         setup = f"{r['setup']:.1f}" if r["setup"] is not None else "-"
@@ -399,7 +402,8 @@ def table(rows: list[dict[str, Any]], threads: int, command: str, bytes_per_s: f
         lines.append(f"| {r['model']} ({r['weights_mib']:.0f} MiB) | {r['batch']} | "
                      f"{r['runner']} | {r['first_ms']:.1f} | {r['decode']:.1f} | "
                      f"{r['speedup']:.2f}× | {r['roofline']:.0f} | {r['of_roofline']:.0%} | "
-                     f"{r['same']:.1%} | {forced} | {logit_error} | {setup} |{first}")
+                     f"{r['same']:.1%} | {forced} | {logit_error} | {setup} |{first} "
+                     f"{r['load']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
