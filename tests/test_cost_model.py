@@ -266,3 +266,28 @@ def test_in_model_times_each_node_inside_whole_graph_runs(tmp_path: Path) -> Non
     # The node's own (isolated) figure is unchanged: in-model times are extra, not a
     # replacement, and never reach the cache (they hold for this graph only).
     assert [timed.by_node[n].latency_s for n in ops] == [plain.by_node[n].latency_s for n in ops]
+
+
+def test_the_last_level_cache_counts_what_one_process_holds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sysfs gives the whole shared L3 (260 MiB in a 2-vCPU VM, where weights past 32-64 MiB
+    stream from memory): a decoder's weights are measured cold past 32 MiB."""
+    from autoopt.cost_model import device as device_module
+
+    def sysfs(*caches: tuple[int, str, str]) -> None:
+        root = tmp_path / str(len(list(tmp_path.iterdir())))
+        for i, (level, kind, size) in enumerate(caches):
+            (root / f"index{i}").mkdir(parents=True)
+            for name, text in (("level", str(level)), ("type", kind), ("size", size)):
+                (root / f"index{i}" / name).write_text(text + "\n")
+        monkeypatch.setattr(device_module, "_SYSFS_CACHES", root)
+
+    sysfs((1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "2048K"),
+          (3, "Unified", "266240K"))
+    assert device_module.cpu_cache_bytes() == 2 * 2**20
+    assert device_module.cpu_cache_bytes(last_level=True) == 32 * 2**20
+    sysfs((2, "Unified", "1024K"), (3, "Unified", "16384K"))
+    assert device_module.cpu_cache_bytes(last_level=True) == 16 * 2**20
+    monkeypatch.setattr(device_module, "_SYSFS_CACHES", tmp_path / "none")
+    assert device_module.cpu_cache_bytes() == 2 * 2**20
+    assert device_module.cpu_cache_bytes(last_level=True) == 32 * 2**20
