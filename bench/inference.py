@@ -321,6 +321,7 @@ def bench_one(name: str, batch: int, rounds: int, device: str = "cpu",
                         run()
                         times[label].append(time.perf_counter() - start)
     median = {k: statistics.median(v) for k, v in times.items()}
+    load = os.getloadavg()[0]  # over the last minute: the timed rounds' end
     # autoopt's ONNX file against plain export's, round by round: the two run back to back, so
     # the median of their ratios is steadier on a drifting machine than a ratio of medians.
     ort_ratio = None
@@ -329,7 +330,7 @@ def bench_one(name: str, batch: int, rounds: int, device: str = "cpu",
             times["autoopt→onnxruntime"], times["onnxruntime"], strict=True))
     return {"model": name, "batch": batch, "median": median, "prepare": prepare,
             "memory": memory, "errors": errors, "failures": failures, "ort_ratio": ort_ratio,
-            "flops": flops, "backends": backends, "scale": scale}
+            "flops": flops, "backends": backends, "scale": scale, "load": load}
 
 
 def optimize_once(name: str, batch: int, device: str) -> dict[str, Any]:
@@ -479,9 +480,9 @@ def table(rows: list[dict[str, Any]], threads: int, device: str = "cpu",
              "optimize s fresh process: first / second (ratio) | autoopt prepare s | "
              "compile s | held MiB | autoopt err | autoopt→ORT ÷ ORT | openvino | "
              "openvino default (err) | compile+bf16 autocast (err) | autoopt bf16 (err) | "
-             "autoopt bf16 ÷ best bf16 peer |",
+             "autoopt bf16 ÷ best bf16 peer | load |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-             "---|---|---|---|---|"]
+             "---|---|---|---|---|---|"]
     over_eager, over_peer, over_bf16 = [], [], []
     for r in rows:
         m, p = r["median"], r["prepare"]
@@ -511,7 +512,7 @@ def table(rows: list[dict[str, Any]], threads: int, device: str = "cpu",
             bf16_ratio = f"{over_bf16[-1]:.2f}× (vs {best})"
         bf16_cells = (f" {cell['openvino']} | {cell['openvino default']} | "
                       f"{cell['compile+bf16 autocast']} | {cell['autoopt bf16']} | "
-                      f"{bf16_ratio} |")
+                      f"{bf16_ratio} | {_load_cell(r.get('load'), threads)} |")
         held = " / ".join(f"{r['memory'][k]:.0f}" if k in r["memory"] else "—"
                           for k in ("autoopt", "torch.compile", compiled))
         compile_s = " / ".join(f"{p[k]:.1f}" if k in p else "—"
@@ -544,6 +545,14 @@ def table(rows: list[dict[str, Any]], threads: int, device: str = "cpu",
                      f"(target: ≥ 1.0× on every row: {sum(v >= 1.0 for v in over_bf16)} of "
                      f"{len(over_bf16)}).")
     return "\n".join(lines) + "\n"
+
+
+def _load_cell(load: float | None, threads: int) -> str:
+    """The 1-minute load average as a row's timed rounds ended, marked "shared" where other
+    jobs held cores beside the bench's threads (more than half a core's worth)."""
+    if load is None:
+        return "—"
+    return f"{load:.2f}" + (" (shared)" if load > threads + 0.5 else "")
 
 
 def _cell(r: dict[str, Any], label: str) -> str:
@@ -595,7 +604,9 @@ def section(tables: list[str], command: str, device: str, optimize_times_on: boo
         "from preparing (autoopt / torch.compile / the other variant; the model's own weights "
         "not counted); err = max abs difference from eager; autoopt→ORT ÷ ORT = median over "
         "rounds of autoopt's ONNX file's time over plain export's, run back to back (below 1: "
-        "autoopt's export is faster under ORT).", ""]
+        "autoopt's export is faster under ORT); load = the 1-minute load average as the "
+        "row's timed rounds ended, \"(shared)\" where it exceeds the thread count by more than "
+        "half a core (other jobs held the cores: run the row again on a quiet machine).", ""]
     return "\n".join(caption + [t for table_text in tables for t in (table_text, "")]).rstrip(
         "\n") + "\n"
 
