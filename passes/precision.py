@@ -61,6 +61,7 @@ from .precision_int8 import (
     kernels_for,
     slower,
     slower_than_fp32,
+    weight_only_bf16,
     why_no_candidate,
 )
 from .precision_policy import AUTOCAST_LOW, FP32_BY_PRACTICE, training_choice
@@ -217,7 +218,7 @@ def cast_precision(gm: GraphModule, ctx: PassContext) -> PassResult:
     if precision in (None, "fp32") or not is_aten_graph(gm):
         return PassResult(gm, False)
     tolerance = float(ctx.options.get("tolerance") or DEFAULT_TOLERANCE[precision])
-    if precision in KERNELS:
+    if precision in KERNELS or weight_only_bf16(precision, ctx.options):
         return _int8(gm, ctx, tolerance, precision)
     dtype = LOW_DTYPES[precision]
     functionalize_inplace(gm)
@@ -374,8 +375,7 @@ def _int8(gm: GraphModule, ctx: PassContext, tolerance: float,
     slow = slower_than_fp32(gm, ctx, candidates)
     nodes = [n for n in candidates if n.name not in slow]
     # Unmeasured: the precision's first kernel that fits (the kernel option's, if given).
-    unmeasured = {n.name: next(k for k in KERNELS[precision] if k in
-                               kernels_for(gm, n, precision, ctx.options)) for n in candidates}
+    unmeasured = {n.name: kernels_for(gm, n, precision, ctx.options)[0] for n in candidates}
     kernel_of = {n.name: n.meta.get(KERNEL, unmeasured[n.name]) for n in candidates}
     group = group_size(ctx.options)
     logits = logits_outputs(gm, is_linear)

@@ -552,3 +552,63 @@ def test_a_model_that_generates_is_judged_by_its_next_token_agreement(
                               "agreement with fp32 given the same tokens: 50.0% of 16"), message
     assert "(required 95%)" in message and "drop precision= for fp32" in message
     assert "use precision=" not in message
+
+
+def test_fp16_weight_linear_equals_its_rounded_reference() -> None:
+    """bf16's weight-only kernel: the weight rounded to fp16 once, the product in fp32 (within
+    fp32 rounding of F.linear on that rounded weight); a weight beyond fp16's range is not
+    offered it."""
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(96, 64) * 0.1, torch.randn(96), torch.randn(3, 5, 64)
+    out = precision_int8.fp16_linear(weight, bias)(x)
+    reference = F.linear(x, weight.half().float(), bias)
+    assert out.dtype == torch.float32 and out.shape == (3, 5, 96)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    assert (out - F.linear(x, weight, bias)).abs().max() > 0  # the weight was rounded
+    model, ids, options = _llama(), torch.randint(0, 256, (1, 16)), {"weight_only": True}
+    assert len(precision_int8.int8_candidates(_export(model, ids), "bf16", options)) == 15
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = 1e5
+    found = precision_int8.int8_candidates(_export(model, ids), "bf16", options)
+    assert len(found) == 14 and all(n.meta["val"].shape[-1] != 256 for n in found)
+
+
+def test_bf16_without_a_fast_bf16_gemm_runs_a_decoder_on_fp16_weights(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU whose bf16 GEMM is slower than fp32's (no AVX-512 BF16, no AMX), bf16 for a
+    model that generates holds its linears' weights in fp16 (fp32 activations, no casts), each
+    where it measures faster than fp32; a model that does not generate is refused as before,
+    and weight_only outside bf16 CPU inference is refused in one line."""
+    from autoopt.options import precision as precision_settings
+
+    speeds = {torch.float32: 100e9, torch.bfloat16: 30e9}
+    monkeypatch.setattr(precision_settings, "matmul_flops", lambda device, dtype: speeds[dtype])
+    model, ids = _llama(), torch.randint(0, 256, (1, 16))
+    cfg = check_target(OptimizeConfig(precision="bf16"), torch.device("cpu"), False, model)
+    assert cfg.pass_options["precision"]["weight_only"] is True
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
+    with pytest.raises(ConfigError, match="no fast bf16 matmul"):
+        check_target(OptimizeConfig(precision="bf16"), torch.device("cpu"), False, mlp)
+    with pytest.raises(ConfigError, match="bf16 inference on the CPU"):
+        check_target(OptimizeConfig(precision="int8", pass_options={
+            "precision": {"weight_only": True}}), torch.device("cpu"), False, model)
+    with pytest.raises(ConfigError, match="bf16 inference on the CPU"):
+        check_target(OptimizeConfig(precision="bf16", pass_options={
+            "precision": {"weight_only": True}}), torch.device("cpu"), True, model)
+    # Every linear on the fp16 kernel (force: unmeasured; weight_only as check_target sets
+    # it, since force alone casts to bf16), the rest of the graph fp32.
+    with torch.no_grad():
+        fast = autoopt.optimize(model, (ids,), precision="bf16", pass_options={
+            "precision": {"weight_only": True, "force": True}})
+        expected, actual = model(ids).logits, fast(ids).logits
+        tokens = fast.generate(ids, max_new_tokens=4, do_sample=False)
+    summary = fast.report.captures[0].precision
+    # Every linear (Q/K/V merged first): none kept fp32.
+    assert summary is not None and set(dict(summary.kernels)) == {"fp16_weight"}
+    assert summary.low_ops == dict(summary.kernels)["fp16_weight"] >= 9 and not summary.kept
+    assert "fp16 weight-only" in str(fast.report)
+    torch.testing.assert_close(actual, expected, atol=5e-3, rtol=5e-3)
+    assert tokens.shape == (1, 20)
+    steps = [r.captures[0].precision for r in fast._generator.reports]
+    assert steps and all(p is not None and set(dict(p.kernels)) == {"fp16_weight"}
+                         for p in steps)

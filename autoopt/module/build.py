@@ -57,7 +57,7 @@ def prepare(model: nn.Module, example_inputs: Any, example_kwargs: Mapping[str, 
     # precision=: reject what cannot work on this device, or would be slower there.
     cfg = precision_lib.autocast_tolerance(cfg, private, args, kwargs, training)
     cfg = precision_lib.decoder_tolerance(cfg, private, training)
-    cfg = precision_lib.check_target(cfg, model_device(private), training)
+    cfg = precision_lib.check_target(cfg, model_device(private), training, private)
     optimized = module_class(private, cfg, dynamic=dynamic, dynamic_shapes=dynamic_shapes,
                              shares_weights=share)
     if cfg.memory_budget is not None and not training:

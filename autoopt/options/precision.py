@@ -23,6 +23,7 @@ from autoopt.passes.precision import (
     DEFAULT_TRAINING_TOLERANCE,
     LOW_DTYPES,
 )
+from autoopt.passes.packed_kernels import fbgemm_engine
 from autoopt.passes.precision_int8 import KERNELS
 from autoopt.passes.weight_only import GROUPS
 
@@ -34,12 +35,17 @@ log = logging.getLogger(__name__)
 
 
 def check_target(cfg: OptimizeConfig, device: torch.device | None, training: bool,
-                 ) -> OptimizeConfig:
+                 model: torch.nn.Module | None = None) -> OptimizeConfig:
     """Reject precision settings that cannot work on ``device``, or that would make the
     model slower than fp32 there: a module that runs fp32 beside a warning is not an answer
     to ``precision=`` (the house rule: a requested feature applies or raises).
 
     ``pass_options={"precision": {"force": True}}`` casts even where it measures slower.
+
+    bf16 for a model that generates (or one of its step graphs) on a CPU whose bf16 GEMM is
+    slower than fp32's runs as fp16-weight linears instead (the precision pass's
+    ``weight_only`` option): a decode step reads half the bytes with no cast, and each linear
+    is measured against fp32's kernels, as int8's are.
 
     In training without a ``tolerance`` of the user's, verification allows what the field's
     mixed precision errs by (``DEFAULT_TRAINING_TOLERANCE``), not the inference default.
@@ -51,7 +57,11 @@ def check_target(cfg: OptimizeConfig, device: torch.device | None, training: boo
     if precision in (None, "fp32") or "precision" in cfg.disable:
         return cfg
     device = device or torch.device("cpu")
-    force = bool(cfg.pass_options.get("precision", {}).get("force", False))
+    options = cfg.pass_options.get("precision", {})
+    force = bool(options.get("force", False))
+    if options.get("weight_only") and (precision != "bf16" or device.type != "cpu" or training):
+        raise ConfigError("pass_options={'precision': {'weight_only': True}} is bf16 inference "
+                          "on the CPU (fp16-weight linears); drop it here")
     if precision in KERNELS:  # int8, int4
         _check_quantized_options(precision, cfg.pass_options.get("precision", {}))
         if training:
@@ -73,9 +83,17 @@ def check_target(cfg: OptimizeConfig, device: torch.device | None, training: boo
             raise ConfigError(f"precision='bf16' but {torch.cuda.get_device_name(device)} has "
                               f"no bf16 support; use precision='fp16'.")
         return cfg
+    if options.get("weight_only"):
+        return cfg
     fp32, low = matmul_flops(device, torch.float32), matmul_flops(device, dtype)
     if low > fp32 or force:
         return cfg
+    if dtype == torch.bfloat16 and not training and model is not None and generates(model) \
+            and fbgemm_engine() is not None:
+        log.info("precision bf16: no fast bf16 GEMM here (%.0f GFLOP/s against fp32's %.0f): "
+                 "linears hold fp16 weights where that measures faster", low / 1e9, fp32 / 1e9)
+        return dataclasses.replace(cfg, pass_options={
+            **cfg.pass_options, "precision": {**options, "weight_only": True}})
     speed = f"{low / 1e9:.0f} GFLOP/s in {precision} vs {fp32 / 1e9:.0f} in fp32 (measured)"
     other = "Use precision='bf16' or 'int8' here, " if precision == "fp16" else \
         "Drop precision= (fp32 is the faster here), use precision='int8', "
@@ -212,6 +230,12 @@ def check_applied(cfg: OptimizeConfig, report: Report, module: torch.nn.Module |
 
 # Set on a generator's prompt-step module: its decode steps decide whether a precision applies.
 PROMPT_STEP = "autoopt_prompt_step"
+
+
+def generates(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a model with transformers' ``generate``, or one of its step graphs
+    (``generate``'s prompt and decode steps)."""
+    return callable(getattr(module, "generate", None)) or hasattr(module, PROMPT_STEP)
 
 
 def decodes_elsewhere(module: torch.nn.Module | None) -> bool:
