@@ -17,13 +17,13 @@ from torch.utils import _pytree as pytree
 
 from autoopt.cost_model.dtype_speed import matmul_flops
 from autoopt.errors import ConfigError
+from autoopt.passes.packed_kernels import fbgemm_engine
 from autoopt.passes.precision import (
     DECODE_DECIDES,
     DECODER_TOLERANCE,
     DEFAULT_TRAINING_TOLERANCE,
     LOW_DTYPES,
 )
-from autoopt.passes.packed_kernels import fbgemm_engine
 from autoopt.passes.precision_int8 import KERNELS
 from autoopt.passes.weight_only import GROUPS
 
