@@ -120,9 +120,7 @@ class PackedLinear:
             return _onednn_packed(weight, None if self.derived and self.source is None
                                   else _identity(self.source, weight))
         if self.kernel == "fbgemm_fp16":
-            with quantized_engine(fbgemm_engine()):
-                return torch.ops.quantized.linear_prepack_fp16(
-                    weight.detach().float().contiguous(), None)
+            return pack_fp16(weight)
         return torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), self.rows)
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -230,6 +228,13 @@ def fbgemm_engine() -> str | None:
     FBGEMM's), or None (not an x86 build)."""
     supported = torch.backends.quantized.supported_engines
     return next((e for e in ("x86", "fbgemm") if e in supported), None)
+
+
+def pack_fp16(weight: torch.Tensor) -> Any:
+    """``weight`` ``(out, in)`` in fp16, packed for FBGEMM's fp16 GEMM (the bias left out)."""
+    with quantized_engine(fbgemm_engine()):
+        return torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(),
+                                                       None)
 
 
 def fits_fp16(weight: torch.Tensor) -> bool:

@@ -37,7 +37,7 @@ from torch.fx import GraphModule, Interpreter, Node
 
 from . import ops, weight_only
 from .graph import attr, fresh_name, meta_val
-from .packed_kernels import fbgemm_engine, fits_fp16, quantized_engine
+from .packed_kernels import fbgemm_engine, fits_fp16, pack_fp16, quantized_engine
 
 aten = torch.ops.aten
 
@@ -330,19 +330,13 @@ def fp16_linear(weight: torch.Tensor, bias: torch.Tensor | None,
                 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The fp16-weight linear ``apply_int8`` puts in a linear's place, as a function of its
     input: ``weight`` ``(out, in)`` packed once in fp16 for FBGEMM."""
-    pack = _pack_fp16(weight)
+    pack = pack_fp16(weight)
     return lambda x: _fp16_call(x, pack, bias)
 
 
 def _fp16_call(x: torch.Tensor, pack: Any, bias: torch.Tensor | None) -> torch.Tensor:
     y = torch.ops.quantized.linear_dynamic_fp16(x, pack)
     return y if bias is None else aten.add(y, bias)
-
-
-def _pack_fp16(weight: torch.Tensor) -> Any:
-    with quantized_engine(fbgemm_engine()):
-        return torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(),
-                                                       None)
 
 
 def _emit_fp16(gm: GraphModule, node: Node, weights: Node) -> Node:
@@ -459,7 +453,7 @@ def _packed_for(gm: Any, node: Node, packed: dict[Any, Any], kernel: str = "int8
         weight = attr(gm, weight_node)
         weight = weight.t().contiguous() if transposed else weight
         if kernel == FP16_WEIGHT:
-            packed[key] = _pack_fp16(weight)
+            packed[key] = pack_fp16(weight)
         elif kernel == "int8_weight":
             packed[key] = weight_only.quantize_int8(weight)
         elif kernel == "int4":
