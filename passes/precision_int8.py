@@ -83,6 +83,9 @@ DYNAMIC = ("int8", "int8_fbgemm")
 # 768 at one row took 335 us against fp32's 480, where bf16 casts made the whole step no faster.
 FP16_WEIGHT = "fp16_weight"
 KERNEL_NAMES[FP16_WEIGHT] = "fp16 weight-only (FBGEMM's fp16 GEMM, fp32 activations)"
+# The kernels whose weight is one packed object the graph holds as an attribute (the others'
+# are tensors: weight-only int8 and int4).
+_PACKED = (*DYNAMIC, FP16_WEIGHT)
 
 
 def weight_only_bf16(precision: Any, options: Any) -> bool:
@@ -112,12 +115,13 @@ def kernels_for(gm: GraphModule, node: Node, precision: str, options: Any) -> tu
     that one)."""
     weight = _weight_of(gm, node)
     group = group_size(options)
-    fits = {"int8": True, "int8_fbgemm": _fbgemm_engine() is not None,
-            "int8_weight": weight_only.int8_weight_fits(weight),
-            "int4": weight_only.int4_fits(weight, group),
-            FP16_WEIGHT: fbgemm_engine() is not None and fits_fp16(weight)}
+    # Asked only of the precision's own kernels: fp16's range check reads the whole weight.
+    fits = {"int8": lambda: True, "int8_fbgemm": lambda: _fbgemm_engine() is not None,
+            "int8_weight": lambda: weight_only.int8_weight_fits(weight),
+            "int4": lambda: weight_only.int4_fits(weight, group),
+            FP16_WEIGHT: lambda: fbgemm_engine() is not None and fits_fp16(weight)}
     wanted = options.get("kernel")
-    return tuple(k for k in kernel_set(precision, options) if fits[k] and wanted in (None, k))
+    return tuple(k for k in kernel_set(precision, options) if wanted in (None, k) and fits[k]())
 
 
 def group_size(options: Any) -> int:
@@ -152,11 +156,11 @@ def int8_candidates(gm: GraphModule, precision: str = "int8",
 def why_no_candidate(gm: GraphModule, precision: str, options: Any) -> str:
     """Why ``int8_candidates`` found no linear: the reason that applied, and what to do
     instead (ending in "drop precision=": the refusal adds no other hint)."""
-    linears = [n for n in gm.graph.nodes if is_linear(n)]
     if weight_only_bf16(precision, options):
         return ("bf16 runs here as fp16-weight linears (no fast bf16 GEMM on this CPU), and "
                 "no linear layer has an fp32 weight within fp16's range and an fp32 input. "
                 "Drop precision=")
+    linears = [n for n in gm.graph.nodes if is_linear(n)]
     stored = [n for n in linears if isinstance(_operands(n)[1], Node)
               and isinstance(w := attr(gm, _operands(n)[1]), torch.Tensor) and w.dim() == 2]
     # int8 and int4 quantize linears only: where convolutions hold most of the work, say so
@@ -229,7 +233,7 @@ def apply_int8(gm: GraphModule, names: Iterable[str] | Mapping[str, str],
         kernel = kernels.get(node.name)
         if kernel is None:
             continue
-        if kernel not in DYNAMIC and kernel != FP16_WEIGHT:
+        if kernel not in _PACKED:
             weight = _packed_for(gm, node, packed, kernel, group)
             with gm.graph.inserting_before(node):
                 attrs = {}
@@ -284,6 +288,8 @@ def slower_than_fp32(gm: GraphModule, ctx: Any, nodes: Iterable[Node]) -> dict[s
         "int8": lambda w, b, rowwise: int8_linear(w, b, rowwise),
         "int8_fbgemm": lambda w, b, rowwise: int8_linear(w, b, rowwise, _fbgemm_engine()),
         FP16_WEIGHT: lambda w, b, rowwise: fp16_linear(w, b)}
+    own = kernel_set(precision, ctx.options)
+    share = {"int8": 0.25, "int4": 0.125}.get(precision, 0.5)  # weight bytes over fp32's
     measured: dict[str, Any] = {}
     cold = weights_outgrow_cache(gm)
     slow = {}
@@ -293,13 +299,11 @@ def slower_than_fp32(gm: GraphModule, ctx: Any, nodes: Iterable[Node]) -> dict[s
             first, *others = [
                 (k, lambda w, b, k=k, rowwise=rowwise: makes[k](w, b, rowwise))
                 for k in kernels_for(gm, node, precision, ctx.options)]
-            share = {"int8": 0.25, "int4": 0.125}.get(precision, 0.5)  # bytes over fp32's
             result = against_fp32(gm, ctx, node, first[0], first[1], share, measured, cold,
                                   more=dict(others))
             if result is None:
                 continue
             best, seconds = result
-            own = kernel_set(precision, ctx.options)
             fp32 = min(s for k, s in seconds.items() if k not in own)
             node.meta[FASTER] = tuple(sorted(
                 (k for k in own if k in seconds and seconds[k] < fp32), key=seconds.__getitem__))

@@ -63,7 +63,7 @@ def check_target(cfg: OptimizeConfig, device: torch.device | None, training: boo
         raise ConfigError("pass_options={'precision': {'weight_only': True}} is bf16 inference "
                           "on the CPU (fp16-weight linears); drop it here")
     if precision in KERNELS:  # int8, int4
-        _check_quantized_options(precision, cfg.pass_options.get("precision", {}))
+        _check_quantized_options(precision, options)
         if training:
             raise ConfigError(f"precision='{precision}' is for inference: quantized linears "
                               f"have no gradient. Use precision='bf16' (or 'fp16' on a GPU) for "
