@@ -433,6 +433,25 @@ class CostModel:
     def _fastest_key(self, what: str, names: Iterable[str]) -> str:
         return f"fastest|{what}|{sorted(names)}|{self._context()}"
 
+    # --- choices on graphs of one kind -------------------------------------------------------
+
+    def similar(self, kind: str) -> list[dict[str, Any]]:
+        """The choices ``remember_similar`` stored here (this device, thread count, library
+        versions) for graphs of ``kind``, oldest first; entries that are not mappings (a
+        hand-edited file) are left out."""
+        entry = self.cache.get(self._similar_key(kind)) or {}
+        choices = entry.get("choices") if isinstance(entry, dict) else None
+        return [c for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
+
+    def remember_similar(self, kind: str, choice: dict[str, Any], keep: int = 8) -> None:
+        """Store one graph's measured choice among graphs of ``kind`` (the latest ``keep``; a
+        graph measured again replaces its earlier entry, named by ``choice["graph"]``)."""
+        kept = [c for c in self.similar(kind) if c.get("graph") != choice.get("graph")]
+        self.cache.put(self._similar_key(kind), {"choices": [*kept, choice][-keep:]})
+
+    def _similar_key(self, kind: str) -> str:
+        return f"similar|{kind}|{self._context()}"
+
     # --- whole graphs and stages -----------------------------------------------------------
 
     def predict(self, gm: GraphModule, nodes: Iterable[Node] | None = None) -> GraphCost:

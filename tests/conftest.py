@@ -83,6 +83,19 @@ def _measurements_on_a_quiet_machine() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _choices_measured_not_predicted() -> Iterator[None]:
+    """Each test's backend choice is measured among all its candidates, not predicted from a
+    similar graph an earlier test measured into the session's cache: which tests ran before
+    one must not change what it measures. tests/test_prediction.py turns prediction on."""
+    from autoopt.backends import prediction
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(prediction, "ENABLED", False)
+    yield
+    mp.undo()
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _private_cost_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Tests measure into their own cost cache, never the user's ~/.cache/autoopt."""
     mp = pytest.MonkeyPatch()

@@ -23,7 +23,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autoopt.backends.base import Lowering
 from autoopt.check.compare import VerifyResult
@@ -32,6 +32,9 @@ from autoopt.check.state import preserved
 from autoopt.cost_model import CostModel
 from autoopt.errors import ConfigError, first_line
 from autoopt.observe import memory_profile
+
+if TYPE_CHECKING:
+    from autoopt.backends.prediction import Prediction, Predictor
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,8 @@ _ROUNDS, _BUDGET_S = 9, 3.0
 MARGIN = 0.02
 # How a candidate that built and computed another function than eager's is reported.
 DIFFERS = "differs from eager"
+# How a candidate left out by the prediction from similar graphs is reported (prediction.py).
+PREDICTED = "predicted out"
 
 
 def replaces(seconds: float, best: float) -> bool:
@@ -70,6 +75,7 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
                    cost_model: CostModel, what: str, required: bool, gradients: bool,
                    state: Sequence[Any] = (), reference: Callable[..., Any] | None = None,
                    floor_s: Callable[[], float | None] | None = None,
+                   predictor: Predictor | None = None,
                    ) -> tuple[Callable[..., Any], BackendChoice]:
     """The callable to run ``graph`` with, and the record of the choice.
 
@@ -91,6 +97,10 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
         floor_s: gives the least seconds a call can take at this machine's measured peak
             (asked only where candidates are timed); a time below it is measured again (see
             ``CostModel.fastest``).
+        predictor: predicts the choice from those measured on similar graphs here, so that
+            the candidates it leaves out are not built (``prediction.py``); it remembers a
+            full measurement made here. Used where candidates are timed against eager and
+            the user did not require one backend.
     """
     skipped = dict(skipped)
     requested = [lowering.name for lowering in lowerings] + list(skipped)
@@ -150,7 +160,7 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
     # measured again rather than made for good without it. One that built and computed
     # another function is not tried again (its reason is reported): that does not pass.
     retried = [name for name in _unmeasured(lowerings, stored or {})
-               if not failed.get(name, "").startswith(DIFFERS)]
+               if not failed.get(name, "").startswith((DIFFERS, PREDICTED))]
     if stored and retried:
         log.info("backend: measuring the %s again: %s", graph, "; ".join(
             f"{name} was not measured ({failed.get(name, 'failed')})" for name in retried))
@@ -172,8 +182,18 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
     eager_s = None
     measuring = _Measuring(cost_model, state, gradients, floor_s)
     if reference is not None:
+        prediction = predictor.predict(candidates, {
+            lw.name: lw.dominated_by[0] for lw in lowerings if lw.dominated_by}) \
+            if predictor and not required else None
+        if prediction is not None:
+            log.info("backend: predicted from similar graphs: %s; not built: %s",
+                     prediction.winner, ", ".join(prediction.out))
         best, seconds, eager_s = _against_eager(lowerings, build, dominated, reference, timer,
-                                                measuring, what, candidates, skipped)
+                                                measuring, what, candidates, skipped,
+                                                prediction)
+        full = not any(why.startswith(PREDICTED) for why in skipped.values())
+        if predictor is not None and full and eager_s and not measuring.shared:
+            predictor.remember(seconds, eager_s)
     else:
         best, seconds = _against_best(lowerings, build, timer, measuring, what, candidates,
                                       skipped)
@@ -237,11 +257,13 @@ def _against_eager(lowerings: Sequence[Lowering], build: _Build,
                    dominated: Callable[[Lowering], bool], reference: Callable[..., Any],
                    timer: Callable[[Callable[..., Any]], Callable[[], Any]],
                    measuring: _Measuring, what: str, requested: Sequence[str],
-                   skipped: dict[str, str],
+                   skipped: dict[str, str], prediction: Prediction | None = None,
                    ) -> tuple[tuple[str, Callable[..., Any]] | None, dict[str, float],
                               float | None]:
     """The fastest candidate by its time over eager's, each timed against eager alone, each
-    one's seconds (on the scale of eager's first measured time), and that time."""
+    one's seconds (on the scale of eager's first measured time), and that time. Candidates
+    the ``prediction`` leaves out are built only where the predicted winner's time here
+    doubts it."""
     best: tuple[Lowering, Callable[..., Any]] | None = None
     ratios: dict[str, float] = {}
     eager_s: list[float] = []
@@ -263,9 +285,10 @@ def _against_eager(lowerings: Sequence[Lowering], build: _Build,
         ratios[name] = pair[name] / pair[_EAGER]
         eager_s.append(pair[_EAGER])
 
-    for lowering in lowerings:
+    def consider(lowering: Lowering) -> None:
+        nonlocal best
         if dominated(lowering):  # before its predecessor drops its packed weights for it
-            continue
+            return
         if best is not None:
             # Measured only once a second candidate comes: a lone candidate is not timed.
             if best[0].name not in ratios:
@@ -278,19 +301,37 @@ def _against_eager(lowerings: Sequence[Lowering], build: _Build,
                     memory_profile.release_free_memory()
         run = build(lowering)
         if run is None:
-            continue
+            return
         if best is None:
             best = (lowering, run)
-            continue
+            return
         measure(lowering.name, run)
         if replaces(ratios[lowering.name], ratios[best[0].name]):
             best = (lowering, run)
         # The slower of the two: its weights go before the next is built.
         del run
         memory_profile.release_free_memory()
+
+    out = prediction.out if prediction is not None else {}
+    for lowering in lowerings:
+        if lowering.name not in out:
+            consider(lowering)
+    if prediction is not None:
+        if best is not None and best[0].name not in ratios:  # the cheap check's one timing
+            measure(best[0].name, best[1])
+        kept = ratios.get(best[0].name) if best is not None else None
+        doubt = prediction.doubt(best[0].name if best is not None else None,
+                                 kept if kept != float("inf") else None)
+        for lowering in (lw for lw in lowerings if lw.name in out):
+            if doubt:
+                log.info("backend: building %s, left out by the prediction: %s",
+                         lowering.name, doubt)
+                consider(lowering)
+            else:
+                skipped[lowering.name] = out[lowering.name]
     seconds = {name: ratio * eager_s[0] for name, ratio in ratios.items()
                if eager_s and ratio != float("inf")}
-    if len(seconds) > 1:
+    if len(seconds) > 1 or (seconds and any(n in skipped for n in out)):
         measuring.record(f"{what}|eager", [_EAGER], {_EAGER: eager_s[0]}, {})
         measuring.record(what, requested, seconds, _failures(lowerings, seconds, skipped))
     return ((best[0].name, best[1]) if best is not None else None, seconds,

@@ -23,6 +23,7 @@ from autoopt.backends import offers, openvino, static_int8
 from autoopt.backends import onnxruntime as ort
 from autoopt.backends.base import WholeGraph
 from autoopt.backends.choice import NoBackend, choose_backend
+from autoopt.backends.prediction import GraphKind, Predictor
 from autoopt.check.compare import VerifyResult
 from autoopt.check.inputs import clone_inputs
 from autoopt.check.report import BackendChoice
@@ -94,6 +95,9 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
     what = identity(gm, graph.source, args, kwargs, gradients, dynamic, config.backend_options)
     if static:
         what += f"|static-int8|{config.calibration.fingerprint()}"
+    kind = None if static or config.backend is not None else GraphKind.of(
+        cost_model, graph.source, precision=config.precision, gradients=gradients,
+        dynamic=dynamic, graph=what)
     with graph.exports:
         try:
             run, choice = choose_backend(
@@ -101,7 +105,8 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
                 cost_model=cost_model, what=what, required=config.backend is not None,
                 gradients=gradients, state=[module], reference=module,
                 floor_s=functools.partial(floor_seconds, cost_model, graph.source,
-                                          config.precision, gradients))
+                                          config.precision, gradients),
+                predictor=Predictor(cost_model, kind) if kind is not None else None)
         except NoBackend as exc:
             if not static:
                 raise
