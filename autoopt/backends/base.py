@@ -19,7 +19,7 @@ here and one name in that list.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ from torch.fx import GraphModule
 
 from autoopt.check.inputs import clone_inputs
 from autoopt.check.state import preserved
+from autoopt.cost_model import CostModel
 from autoopt.onnx import graph as onnx_graph
 from autoopt.options.config import OptimizeConfig
 
@@ -48,6 +49,10 @@ class Lowering:
     ``dominated_by``: another candidate's name and why this one is not worth building once
     that one is (it can at most tie it); once that one is built and verified for the graph,
     this one is skipped with the reason (not built, not measured).
+    ``at_best``: given the times over eager's measured so far (by candidate), the least time
+    over eager's this one can take and why (None: not known yet). A candidate with a bound is
+    built after those without, and only where its bound beats the fastest of them: an
+    Inductor compile (10-15 s cold) is not spent where it cannot win.
     """
 
     name: str
@@ -58,6 +63,7 @@ class Lowering:
     release: Callable[[], int] | None = None
     restore: Callable[[], None] | None = None
     dominated_by: tuple[str, str] | None = None
+    at_best: Callable[[Mapping[str, float]], tuple[float, str] | None] | None = None
 
 
 
@@ -75,7 +81,7 @@ class WholeGraph:
     the calls; ``dynamic``: some sizes are symbolic; ``memory_plan``: ``memory_budget``'s plan
     was applied to the aten graph; ``packed``: ``release``/``restore`` of the aten lowering's
     packed weights, which ``hybrid`` calls too; ``exports``: one ONNX export shared by the
-    engines that read ONNX.
+    engines that read ONNX; ``cost_model``: estimates of the graph's nodes (None: none).
     """
 
     gm: GraphModule
@@ -92,6 +98,7 @@ class WholeGraph:
     memory_plan: bool
     packed: dict[str, Callable[..., Any]] = field(default_factory=dict)
     exports: onnx_graph.Exports = field(default_factory=onnx_graph.Exports)
+    cost_model: CostModel | None = None
 
     def call(self, run: Callable[..., Any]) -> Callable[..., Any]:
         """``run`` taking the model's arguments."""

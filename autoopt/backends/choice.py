@@ -51,6 +51,8 @@ MARGIN = 0.02
 DIFFERS = "differs from eager"
 # How a candidate left out by the prediction from similar graphs is reported (prediction.py).
 PREDICTED = "predicted out"
+# How a candidate left out because it cannot win is reported (``Lowering.at_best``).
+NOT_BUILT = "not built: "
 
 
 def replaces(seconds: float, best: float) -> bool:
@@ -160,7 +162,7 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
     # measured again rather than made for good without it. One that built and computed
     # another function is not tried again (its reason is reported): that does not pass.
     retried = [name for name in _unmeasured(lowerings, stored or {})
-               if not failed.get(name, "").startswith((DIFFERS, PREDICTED))]
+               if not failed.get(name, "").startswith((DIFFERS, PREDICTED, NOT_BUILT))]
     if stored and retried:
         log.info("backend: measuring the %s again: %s", graph, "; ".join(
             f"{name} was not measured ({failed.get(name, 'failed')})" for name in retried))
@@ -188,12 +190,13 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
         if prediction is not None:
             log.info("backend: predicted from similar graphs: %s; not built: %s",
                      prediction.winner, ", ".join(prediction.out))
+        bounds: dict[str, float] = {}
         best, seconds, eager_s = _against_eager(lowerings, build, dominated, reference, timer,
                                                 measuring, what, candidates, skipped,
-                                                prediction)
+                                                prediction, bounds)
         full = not any(why.startswith(PREDICTED) for why in skipped.values())
         if predictor is not None and full and eager_s and not measuring.shared:
-            predictor.remember(seconds, eager_s)
+            predictor.remember(seconds, eager_s, bounds)
     else:
         best, seconds = _against_best(lowerings, build, timer, measuring, what, candidates,
                                       skipped)
@@ -258,12 +261,15 @@ def _against_eager(lowerings: Sequence[Lowering], build: _Build,
                    timer: Callable[[Callable[..., Any]], Callable[[], Any]],
                    measuring: _Measuring, what: str, requested: Sequence[str],
                    skipped: dict[str, str], prediction: Prediction | None = None,
+                   bounds: dict[str, float] | None = None,
                    ) -> tuple[tuple[str, Callable[..., Any]] | None, dict[str, float],
                               float | None]:
     """The fastest candidate by its time over eager's, each timed against eager alone, each
     one's seconds (on the scale of eager's first measured time), and that time. Candidates
     the ``prediction`` leaves out are built only where the predicted winner's time here
-    doubts it."""
+    doubts it. ``bounds`` receives the bound over eager of each candidate its bound ruled
+    out."""
+    bounds = {} if bounds is None else bounds
     best: tuple[Lowering, Callable[..., Any]] | None = None
     ratios: dict[str, float] = {}
     eager_s: list[float] = []
@@ -313,8 +319,38 @@ def _against_eager(lowerings: Sequence[Lowering], build: _Build,
         memory_profile.release_free_memory()
 
     out = prediction.out if prediction is not None else {}
+    # Candidates with a bound (``Lowering.at_best``), and those that can at most tie one, come
+    # after the others, and are built only where the bound beats the fastest of those.
+    bounded = {lw.name for lw in lowerings if lw.at_best is not None}
+    bounded |= {lw.name for lw in lowerings if lw.dominated_by and lw.dominated_by[0] in bounded}
+    ruled_out: set[str] = set()
+
+    def can_win(lowering: Lowering) -> bool:
+        """Whether a bounded candidate may beat the fastest so far; if not, skipped says why."""
+        tied = lowering.dominated_by[0] if lowering.dominated_by else None
+        if tied in ruled_out:
+            skipped[lowering.name] = f"{NOT_BUILT}it can at most tie {tied}, which cannot win"
+            ruled_out.add(lowering.name)
+            return False
+        if lowering.at_best is None or best is None:
+            return True
+        if best[0].name not in ratios:
+            measure(best[0].name, best[1])
+        bound, fastest = lowering.at_best(ratios), ratios.get(best[0].name, float("inf"))
+        if bound is None or fastest == float("inf") or bound[0] < fastest:
+            return True
+        bounds[lowering.name] = bound[0]
+        skipped[lowering.name] = (f"{NOT_BUILT}at best {bound[0]:.2f}x eager's time "
+                                  f"({bound[1]}), not faster than {best[0].name}'s "
+                                  f"{fastest:.2f}x")
+        ruled_out.add(lowering.name)
+        return False
+
     for lowering in lowerings:
-        if lowering.name not in out:
+        if lowering.name not in out and lowering.name not in bounded:
+            consider(lowering)
+    for lowering in lowerings:
+        if lowering.name in bounded and lowering.name not in out and can_win(lowering):
             consider(lowering)
     if prediction is not None:
         if best is not None and best[0].name not in ratios:  # the cheap check's one timing
@@ -326,7 +362,8 @@ def _against_eager(lowerings: Sequence[Lowering], build: _Build,
             if doubt:
                 log.info("backend: building %s, left out by the prediction: %s",
                          lowering.name, doubt)
-                consider(lowering)
+                if lowering.name not in bounded or can_win(lowering):
+                    consider(lowering)
             else:
                 skipped[lowering.name] = out[lowering.name]
     seconds = {name: ratio * eager_s[0] for name, ratio in ratios.items()

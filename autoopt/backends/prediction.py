@@ -157,9 +157,13 @@ class Predictor:
                 out[name] = f"{PREDICTED}: it can at most tie {by}, which is predicted out"
         return Prediction(winner, out, ceiling) if out else None
 
-    def remember(self, seconds: dict[str, float], eager_s: float) -> None:
-        """Store a full measurement: each candidate's ``seconds`` over eager's."""
+    def remember(self, seconds: dict[str, float], eager_s: float,
+                 bounds: dict[str, float] | None = None) -> None:
+        """Store a full measurement: each candidate's ``seconds`` over eager's, and for one
+        not built because it could not win, its bound over eager's (the least it could take:
+        a prediction from it errs toward building it)."""
+        ratios = {**(bounds or {}), **{n: s / eager_s for n, s in seconds.items()}}
         if eager_s > 0 and len(seconds) > 1:
             self.cost_model.remember_similar(self.kind.kind, {
                 "graph": self.kind.graph, "flops": self.kind.flops, "nodes": self.kind.nodes,
-                "ratios": {n: s / eager_s for n, s in seconds.items()}})
+                "ratios": ratios})

@@ -61,7 +61,8 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
     graph = WholeGraph(gm, portable(gm), aten, module, args, kwargs, config, device, adapt,
                        gradients, dynamic, memory_plan,
                        packed={"release": functools.partial(release_packed, gm),
-                               "restore": functools.partial(restore_packed, gm)})
+                               "restore": functools.partial(restore_packed, gm)},
+                       cost_model=cost_model)
     names = config.candidate_backends
     # A call with gradients (an eval model called outside no_grad) gets a graph that keeps
     # them, in fp32 as under dynamic int8: int8 kernels have no backward.
