@@ -108,15 +108,16 @@ def test_hybrids_bound_is_aten_time_times_its_kernels_share(
 
     monkeypatch.setattr(hybrid._AtBest, "__call__", seen)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256),
-                          nn.Linear(256, 64), nn.Tanh()).eval()
-    x = torch.randn(8, 64)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.GELU(), nn.BatchNorm2d(32),
+                          nn.Conv2d(32, 32, 3, padding=1), nn.Tanh()).eval()
+    x = torch.randn(1, 3, 32, 32)
     with torch.no_grad():
         fast = autoopt.optimize(model, (x,), backends=("aten", "hybrid"))
-        torch.testing.assert_close(fast(x), model(x))
-    if hybrid.inductor.available():
-        pytest.skip(f"hybrid not offered here: {hybrid.inductor.available()}")
-    assert bounds, fast.report.backends[0].describe()
+        torch.testing.assert_close(fast(x), model(x), atol=1e-4, rtol=1e-4)
+    choice = fast.report.backends[0]
+    if "hybrid" in choice.skipped and not bounds:  # no autoopt kernel chosen, no Inductor
+        pytest.skip(f"hybrid not offered here: {choice.skipped['hybrid']}")
+    assert bounds, choice.describe()
     aten, bound = bounds[-1]
     assert bound is not None and 0.0 < bound < aten  # the regions between kernels take some
     assert "hybrid" in fast.report.backends[0].seconds  # below aten's own time: built

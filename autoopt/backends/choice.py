@@ -23,7 +23,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from autoopt.backends.base import Lowering
 from autoopt.check.compare import VerifyResult
@@ -32,9 +32,6 @@ from autoopt.check.state import preserved
 from autoopt.cost_model import CostModel
 from autoopt.errors import ConfigError, first_line
 from autoopt.observe import memory_profile
-
-if TYPE_CHECKING:
-    from autoopt.backends.prediction import Prediction, Predictor
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +74,7 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
                    cost_model: CostModel, what: str, required: bool, gradients: bool,
                    state: Sequence[Any] = (), reference: Callable[..., Any] | None = None,
                    floor_s: Callable[[], float | None] | None = None,
-                   predictor: Predictor | None = None,
+                   predictor: Any = None,
                    ) -> tuple[Callable[..., Any], BackendChoice]:
     """The callable to run ``graph`` with, and the record of the choice.
 
@@ -99,7 +96,8 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
         floor_s: gives the least seconds a call can take at this machine's measured peak
             (asked only where candidates are timed); a time below it is measured again (see
             ``CostModel.fastest``).
-        predictor: predicts the choice from those measured on similar graphs here, so that
+        predictor: a ``prediction.Predictor``: predicts the choice from those measured on
+            similar graphs here, so that
             the candidates it leaves out are not built (``prediction.py``); it remembers a
             full measurement made here. Used where candidates are timed against eager and
             the user did not require one backend.
@@ -260,15 +258,15 @@ def _against_eager(lowerings: Sequence[Lowering], build: _Build,
                    dominated: Callable[[Lowering], bool], reference: Callable[..., Any],
                    timer: Callable[[Callable[..., Any]], Callable[[], Any]],
                    measuring: _Measuring, what: str, requested: Sequence[str],
-                   skipped: dict[str, str], prediction: Prediction | None = None,
+                   skipped: dict[str, str], prediction: Any = None,
                    bounds: dict[str, float] | None = None,
                    ) -> tuple[tuple[str, Callable[..., Any]] | None, dict[str, float],
                               float | None]:
     """The fastest candidate by its time over eager's, each timed against eager alone, each
     one's seconds (on the scale of eager's first measured time), and that time. Candidates
-    the ``prediction`` leaves out are built only where the predicted winner's time here
-    doubts it. ``bounds`` receives the bound over eager of each candidate its bound ruled
-    out."""
+    the ``prediction`` (a ``prediction.Prediction``) leaves out are built only where the
+    time of the fastest built doubts it. ``bounds`` receives the bound over eager of each
+    candidate its bound ruled out."""
     bounds = {} if bounds is None else bounds
     best: tuple[Lowering, Callable[..., Any]] | None = None
     ratios: dict[str, float] = {}

@@ -90,7 +90,8 @@ class _AtBest:
         return self._share
 
     def __call__(self, ratios: Mapping[str, float]) -> tuple[float, str] | None:
-        share = self.share() if "aten" in ratios else None
+        # A dynamic graph's estimate would read its symbolic sizes: no bound there.
+        share = self.share() if "aten" in ratios and not self.graph.dynamic else None
         if share is None:
             return None
         return ratios["aten"] * share, (f"aten's time less all of the regions between its "

@@ -96,9 +96,11 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
     what = identity(gm, graph.source, args, kwargs, gradients, dynamic, config.backend_options)
     if static:
         what += f"|static-int8|{config.calibration.fingerprint()}"
-    kind = None if static or config.backend is not None else GraphKind.of(
-        cost_model, graph.source, precision=config.precision, gradients=gradients,
-        dynamic=dynamic, graph=what)
+    # Inference graphs of static sizes, the ones engines beyond aten and Inductor take (an
+    # estimate of a dynamic graph's nodes would read its symbolic sizes).
+    predicted = not (static or config.backend is not None or gradients or dynamic)
+    kind = GraphKind.of(cost_model, graph.source, precision=config.precision,
+                        gradients=gradients, dynamic=dynamic, graph=what) if predicted else None
     with graph.exports:
         try:
             run, choice = choose_backend(
