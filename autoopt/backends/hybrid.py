@@ -65,6 +65,12 @@ def opaque_nodes(gm: GraphModule) -> list[Node]:
         or any(_opaque_constant(gm, a) for a in node.all_input_nodes))]
 
 
+# How far the estimated share of aten's time in its kernels may overstate it: BERT-base at
+# batch 1 (share 0.90 estimated, 2 vCPUs) was ruled out at aten's time times 0.90 in one run
+# and measured faster than OpenVINO in another.
+_SLACK = 0.1
+
+
 class _AtBest:
     """The least time over eager's ``hybrid`` can take: it runs aten's graph with the same
     autoopt kernels, so at best the regions between them take no time, leaving aten's time
@@ -94,9 +100,11 @@ class _AtBest:
         share = self.share() if "aten" in ratios and not self.graph.dynamic else None
         if share is None:
             return None
-        return ratios["aten"] * share, (f"aten's time less all of the regions between its "
-                                        f"kernels, which take {1 - share:.0%} of it by the "
-                                        f"cost model's estimate")
+        kept = share * (1.0 - _SLACK)
+        return ratios["aten"] * kept, (f"aten's time less all of the regions between its "
+                                       f"kernels, which take {1 - share:.0%} of it by the "
+                                       f"cost model's estimate, less {_SLACK:.0%} more for "
+                                       f"that estimate's error")
 
 
 def regions(gm: GraphModule) -> str:
