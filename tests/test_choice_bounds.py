@@ -44,11 +44,14 @@ class Engines:
             return spin(self.ms[name] / 1e3, self.calls, name)
         return Lowering(name, build, verified=True, **extra)
 
-    def choose(self, predictor: Predictor | None = None) -> Any:
+    def choose(self, predictor: Predictor | None = None, reads: bool = False) -> Any:
         self.built.clear()
 
         def bound(ratios: Any) -> tuple[float, str] | None:
             return (ratios["aten"] * self.share, "a share") if "aten" in ratios else None
+
+        if reads:
+            bound.reads = "aten"  # type: ignore[attr-defined]
 
         lowerings = [self.lowering("aten"), self.lowering("hybrid", at_best=bound),
                      self.lowering("inductor", dominated_by=("hybrid", "it ties hybrid")),
@@ -93,6 +96,23 @@ def test_a_bound_is_remembered_for_similar_graphs_as_the_least_that_candidate_ta
     found = Predictor(engines.cost, GraphKind(kind.kind, 1e9, 100, "g2")).predict(
         ["aten", "hybrid", "inductor", "onnxruntime"], {"inductor": "hybrid"})
     assert found is not None and set(found.out) == {"aten", "hybrid", "inductor"}
+
+
+def test_a_prediction_keeps_the_candidate_a_bound_reads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from autoopt.backends import prediction
+
+    monkeypatch.setattr(prediction, "ENABLED", True)
+    engines = Engines(tmp_path, share=0.95, aten=6.0, hybrid=5.8, inductor=7.0, onnxruntime=4.0)
+    kind = GraphKind("fp32|grad=False|dynamic=False|conv", 1e9, 100, "g")
+    # A similar graph: aten far behind onnxruntime, hybrid close to it.
+    engines.cost.remember_similar(kind.kind, {"graph": "g0", "flops": 1e9, "nodes": 100,
+                                              "ratios": {"aten": 0.75, "hybrid": 0.55,
+                                                         "onnxruntime": 0.5}})
+    choice = engines.choose(Predictor(engines.cost, kind), reads=True)
+    assert engines.built == ["aten", "onnxruntime"]  # aten for hybrid's bound, which rules it out
+    assert choice.skipped["hybrid"].startswith("not built: at best")
+    assert "aten" in choice.seconds and choice.chosen == "onnxruntime"
 
 
 def test_hybrids_bound_is_aten_time_times_its_kernels_share(

@@ -52,7 +52,9 @@ class Lowering:
     ``at_best``: given the times over eager's measured so far (by candidate), the least time
     over eager's this one can take and why (None: not known yet). A candidate with a bound is
     built after those without, and only where its bound beats the fastest of them: an
-    Inductor compile (10-15 s cold) is not spent where it cannot win.
+    Inductor compile (10-15 s cold) is not spent where it cannot win. ``at_best.reads``,
+    where it has one, names the candidate whose time the bound reads, which a prediction from
+    similar graphs then does not leave out.
     """
 
     name: str
