@@ -105,7 +105,9 @@ def count_flops(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
 
     try:
         meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, to_meta, (args, kwargs))
-        with FlopCounterMode(display=False) as counter:
+        # Under its own grad mode: a training graph's ``wrap_with_set_grad_enabled(False, ...)``
+        # (a ``no_grad`` block) run on meta tensors left gradients off for the process.
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
             fn(*meta_args, **meta_kwargs)
         return int(counter.get_total_flops())
     except Exception:  # noqa: BLE001 - ops without a meta kernel count as zero FLOPs
