@@ -21,16 +21,17 @@ feeds the next one.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch.fx import GraphModule
 
 from autoopt.backends.choice import PREDICTED, decided
-from autoopt.cost_model import CostModel
+from autoopt.cost_model import CostModel, GraphCost
 
 # How much slower than the predicted winner a candidate must have measured on every similar
 # graph to be left out: well beyond one run's noise (1-3%) and the drift between graphs of one
@@ -59,11 +60,13 @@ class GraphKind:
 
     @classmethod
     def of(cls, cost_model: CostModel, source: GraphModule, *, precision: str | None,
-           gradients: bool, dynamic: bool, graph: str) -> GraphKind | None:
+           gradients: bool, dynamic: bool, graph: str,
+           estimate: Callable[[], GraphCost] | None = None) -> GraphKind | None:
         """The kind of ``source`` (the graph other engines lower), or None where its costs
-        cannot be estimated or it computes nothing measurable."""
+        cannot be estimated or it computes nothing measurable. ``estimate``: gives
+        ``cost_model.predict(source)``, where the caller shares it."""
         try:
-            costs = cost_model.predict(source).nodes
+            costs = (estimate() if estimate is not None else cost_model.predict(source)).nodes
         except Exception:  # noqa: BLE001 - a prediction the choice can do without
             return None
         shares: dict[str, float] = {}
@@ -109,13 +112,22 @@ class Prediction:
 
 class Predictor:
     """Predicts one graph's choice (``predict``) and remembers its full measurement
-    (``remember``) among the choices made on graphs of its kind on this machine."""
+    (``remember``) among the choices made on graphs of its kind on this machine. ``kind``: the
+    graph's, or what gives it (None: no kind), asked only when first needed: a choice served
+    from its record needs none."""
 
-    def __init__(self, cost_model: CostModel, kind: GraphKind) -> None:
-        self.cost_model, self.kind = cost_model, kind
+    def __init__(self, cost_model: CostModel,
+                 kind: GraphKind | Callable[[], GraphKind | None]) -> None:
+        self.cost_model, self._kind = cost_model, kind
+
+    @functools.cached_property
+    def kind(self) -> GraphKind | None:
+        return self._kind if isinstance(self._kind, GraphKind) else self._kind()
 
     def similar(self) -> list[dict[str, float]]:
         """Each similar graph's times over eager, by candidate."""
+        if self.kind is None:
+            return []
         found = []
         for entry in self.cost_model.similar(self.kind.kind):
             ratios = entry.get("ratios")
@@ -163,7 +175,7 @@ class Predictor:
         not built because it could not win, its bound over eager's (the least it could take:
         a prediction from it errs toward building it)."""
         ratios = {**(bounds or {}), **{n: s / eager_s for n, s in seconds.items()}}
-        if eager_s > 0 and len(seconds) > 1:
+        if self.kind is not None and eager_s > 0 and len(seconds) > 1:
             self.cost_model.remember_similar(self.kind.kind, {
                 "graph": self.kind.graph, "flops": self.kind.flops, "nodes": self.kind.nodes,
                 "ratios": ratios})

@@ -28,7 +28,7 @@ from autoopt.check.compare import VerifyResult
 from autoopt.check.inputs import clone_inputs
 from autoopt.check.report import BackendChoice
 from autoopt.check.state import preserved
-from autoopt.cost_model import CostModel
+from autoopt.cost_model import CostModel, GraphCost
 from autoopt.cost_model.estimate import value_spec
 from autoopt.cost_model.isolation import written_placeholders
 from autoopt.options.config import OptimizeConfig
@@ -99,8 +99,9 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
     # Inference graphs of static sizes, the ones engines beyond aten and Inductor take (an
     # estimate of a dynamic graph's nodes would read its symbolic sizes).
     predicted = not (static or config.backend is not None or gradients or dynamic)
-    kind = GraphKind.of(cost_model, graph.source, precision=config.precision,
-                        gradients=gradients, dynamic=dynamic, graph=what) if predicted else None
+    # One estimate of the source's nodes, for the floor and the graph's kind, made only where
+    # candidates are measured (a recorded choice needs neither).
+    estimate = functools.cache(functools.partial(cost_model.predict, graph.source))
     with graph.exports:
         try:
             run, choice = choose_backend(
@@ -108,8 +109,11 @@ def lower_whole_graph(gm: GraphModule, aten: Callable[..., Any], module: nn.Modu
                 cost_model=cost_model, what=what, required=config.backend is not None,
                 gradients=gradients, state=[module], reference=module,
                 floor_s=functools.partial(floor_seconds, cost_model, graph.source,
-                                          config.precision, gradients),
-                predictor=Predictor(cost_model, kind) if kind is not None else None)
+                                          config.precision, gradients, estimate=estimate),
+                predictor=Predictor(cost_model, functools.partial(
+                    GraphKind.of, cost_model, graph.source, precision=config.precision,
+                    gradients=gradients, dynamic=dynamic, graph=what, estimate=estimate))
+                if predicted else None)
         except NoBackend as exc:
             if not static:
                 raise
@@ -137,17 +141,20 @@ def _unseen(run: Callable[..., Any], module: nn.Module, config: OptimizeConfig,
 
 
 def floor_seconds(cost_model: CostModel, source: GraphModule, precision: str | None,
-                  gradients: bool) -> float | None:
+                  gradients: bool, *, estimate: Callable[[], GraphCost] | None = None,
+                  ) -> float | None:
     """The least a call of ``source`` can take at this machine's measured peak: its FLOPs
     (the forward's; a backward adds about twice as many) at the matmul peak of its precision
     (fp32's; reduced precisions' at twice the bf16 or fp16 peak, for int8's matrix units),
     less a fifth for the peak's own measurement error. A time below it was taken while the
-    clock was not the candidate's alone. None where the peak or the FLOPs are not known."""
+    clock was not the candidate's alone. None where the peak or the FLOPs are not known.
+    ``estimate``: gives ``cost_model.predict(source)``, where the caller shares it."""
     try:
         ceilings = cost_model.info.ceilings
         if ceilings is None:
             return None
-        flops = sum(cost.flops for cost in cost_model.predict(source).nodes)
+        costs = estimate() if estimate is not None else cost_model.predict(source)
+        flops = sum(cost.flops for cost in costs.nodes)
     except Exception:  # noqa: BLE001 - a bound the choice can do without
         return None
     exact = precision in (None, "fp32") and cost_model.device.type == "cpu"
