@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -10,6 +12,7 @@ from torch import nn
 
 from autoopt.check.compare import compare
 from autoopt.check.inputs import input_sets
+from autoopt.cost_model import CostCache, CostModel
 from autoopt.cost_model.contention import Sharing, Watch
 
 
@@ -50,3 +53,22 @@ def simulated_watch(others: float) -> type[Watch]:
             self.sharing = Sharing(cores=2, others=others, threads=2)
 
     return Simulated
+
+
+def spin(seconds: float, calls: list[str], name: str) -> Any:
+    """A candidate of known speed: ``seconds`` of busy wall-clock time a run, each run named
+    in ``calls``."""
+    def run() -> None:
+        calls.append(name)
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+    return run
+
+
+def cost_model(folder: Path) -> CostModel:
+    """A cost model measuring into its own cache in ``folder``, with no cache eviction before
+    each run (the spin candidates read no memory)."""
+    cost = CostModel(cache=CostCache(folder / "costs.json"))
+    cost.evict_cache = lambda *a, **k: None  # type: ignore[method-assign]
+    return cost

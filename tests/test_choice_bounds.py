@@ -5,7 +5,6 @@ it cannot win). Candidates are spin loops of known length; one test runs optimiz
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,16 +16,8 @@ import autoopt
 from autoopt.backends import hybrid
 from autoopt.backends.choice import Lowering, choose_backend
 from autoopt.backends.prediction import GraphKind, Predictor
-from autoopt.cost_model import CostCache, CostModel
 
-
-def spin(seconds: float, calls: list[str], name: str) -> Any:
-    def run() -> None:
-        calls.append(name)
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            pass
-    return run
+from .checks import cost_model, spin
 
 
 class Engines:
@@ -34,8 +25,7 @@ class Engines:
     onnxruntime, of known speed (ms) against an 8 ms eager."""
 
     def __init__(self, tmp_path: Path, share: float, **ms: float) -> None:
-        self.cost = CostModel(cache=CostCache(tmp_path / "costs.json"))
-        self.cost.evict_cache = lambda *a, **k: None  # type: ignore[method-assign]
+        self.cost = cost_model(tmp_path)
         self.share, self.ms, self.built, self.calls = share, ms, [], []
 
     def lowering(self, name: str, **extra: Any) -> Lowering:

@@ -20,7 +20,7 @@ from autoopt.cost_model import CostCache, CostModel
 from autoopt.cost_model import model as model_module
 from autoopt.cost_model.contention import Sharing, Watch, undecided
 
-from .checks import simulated_watch
+from .checks import cost_model, simulated_watch, spin
 
 QUIET, BUSY = simulated_watch(0.0), simulated_watch(1.0)
 
@@ -53,26 +53,15 @@ def test_samples_that_do_not_decide_say_why() -> None:
 
 
 
-def counted(seconds: float, calls: list[str], name: str) -> Any:
-    def run() -> None:
-        calls.append(name)
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            pass
-    return run
 
 
-def cost_model(tmp_path: Any) -> CostModel:
-    cost = CostModel(cache=CostCache(tmp_path / "costs.json"))
-    cost.evict_cache = lambda *a, **k: None  # type: ignore[method-assign]
-    return cost
 
 
 def test_a_measurement_on_a_shared_cpu_is_taken_again_then_marked_and_not_served(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(model_module, "Watch", BUSY)
     cost, calls = cost_model(tmp_path), []
-    candidates = {"a": counted(0.001, calls, "a"), "b": counted(0.004, calls, "b")}
+    candidates = {"a": spin(0.001, calls, "a"), "b": spin(0.004, calls, "b")}
     best, seconds = cost.fastest("op", candidates, repeats=3)
     assert best == "a" and set(seconds) == {"a", "b"}
     assert calls.count("a") == 1 + 3 + 3  # warm-up, the rounds, the rounds again
@@ -89,7 +78,7 @@ def test_a_time_below_the_machines_peak_is_measured_again_and_marked(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(model_module, "Watch", QUIET)
     cost, calls = cost_model(tmp_path), []
-    candidates = {"a": counted(0.001, calls, "a"), "b": counted(0.004, calls, "b")}
+    candidates = {"a": spin(0.001, calls, "a"), "b": spin(0.004, calls, "b")}
     cost.fastest("op", candidates, repeats=3, floor_s=0.002)
     assert calls.count("a") == 1 + 3 + 3
     assert "below the 2 ms its work takes at this machine's peak" in cost.last_sharing
@@ -100,8 +89,8 @@ def test_a_backend_choice_made_on_a_shared_machine_says_so_and_is_made_again(
     cost, calls = cost_model(tmp_path), []
 
     def choose() -> Any:
-        lowerings = [Lowering("aten", lambda: counted(0.004, calls, "aten"), verified=True),
-                     Lowering("onnxruntime", lambda: counted(0.001, calls, "onnxruntime"),
+        lowerings = [Lowering("aten", lambda: spin(0.004, calls, "aten"), verified=True),
+                     Lowering("onnxruntime", lambda: spin(0.001, calls, "onnxruntime"),
                               verified=True)]
         return choose_backend("whole graph", lowerings, {}, verify=None,
                               timer=lambda run: run, cost_model=cost, what="g",

@@ -296,16 +296,7 @@ def test_the_last_level_cache_counts_what_one_process_holds(
 def test_estimating_a_graph_with_a_no_grad_region_leaves_gradients_on(tmp_path: Path) -> None:
     """A training graph holds ``wrap_with_set_grad_enabled(False, ...)`` for a ``no_grad``
     block; counting its FLOPs on meta tensors once left gradients off for the whole process."""
-
-    class NoGradBlock(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
-
-        def forward(self, v: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad():
-                frozen = self.a(v)
-            return self.b(v) + frozen
+    from .test_tricky_models import NoGradBlock
 
     gm = torch.export.export(NoGradBlock(), (torch.randn(2, 4),)).module()
     cost = CostModel(cache=CostCache(tmp_path / "costs.json"))

@@ -7,7 +7,6 @@ on the machine; one test runs the whole optimize on a real model."""
 from __future__ import annotations
 
 import re
-import time
 from typing import Any
 
 import pytest
@@ -20,19 +19,14 @@ from autoopt.backends.choice import Lowering, choose_backend
 from autoopt.backends.prediction import GraphKind, Predictor
 from autoopt.cost_model import CostCache, CostModel
 
+from .checks import cost_model, spin
+
 
 @pytest.fixture(autouse=True)
 def _predicting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prediction, "ENABLED", True)
 
 
-def spin(seconds: float, calls: list[str], name: str) -> Any:
-    def run() -> None:
-        calls.append(name)
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            pass
-    return run
 
 
 def kind(graph: str, flops: float = 1e9, nodes: int = 100) -> GraphKind:
@@ -62,10 +56,6 @@ class Engines:
                               predictor=Predictor(self.cost, graph))[1]
 
 
-def cost_model(tmp_path: Any) -> CostModel:
-    cost = CostModel(cache=CostCache(tmp_path / "costs.json"))
-    cost.evict_cache = lambda *a, **k: None  # type: ignore[method-assign]
-    return cost
 
 
 def test_candidates_far_behind_on_a_similar_graph_are_not_built(tmp_path: Any) -> None:
