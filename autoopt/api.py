@@ -17,8 +17,8 @@ from torch import nn
 
 from autoopt.diagnose.collect import collect
 from autoopt.diagnose.render import write_report
-from autoopt.generation.generator import module_class
-from autoopt.module.build import capture_example, check_inputs, prepare, unwrap
+from autoopt.generation.generator import defers_forward, module_class
+from autoopt.module.build import capture_example, check_inputs, defer_example, prepare, unwrap
 from autoopt.module.optimized import OptimizedModule, Specialization
 from autoopt.observe import progress
 from autoopt.options.config import OptimizeConfig
@@ -71,7 +71,10 @@ def optimize(model: nn.Module, example_inputs: Any = (), example_kwargs: Mapping
         if cfg.devices is not None:  # a pipeline of one stage per device (autoopt.parallel)
             return pipeline_module(optimized, args, kwargs,  # type: ignore[return-value]
                                    training)
-        capture_example(optimized, args, kwargs, training)
+        if defers_forward(optimized, training):  # generate builds the graphs it runs
+            defer_example(optimized, args, kwargs)
+        else:
+            capture_example(optimized, args, kwargs, training)
         if cfg.report is not None:  # report=: diagnose and time both modules, write the HTML
             write_report(cfg.report, collect(unwrap(model), args, kwargs,
                                              optimized=optimized, training=training))

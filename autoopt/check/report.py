@@ -141,6 +141,9 @@ class Report:
 
     captures: list[CaptureRecord] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # Why the example call's graph is not built yet (``optimize`` of a model that generates
+    # builds it at the first forward call); shown until a graph is.
+    deferred: str = ""
 
     @property
     def capture_method(self) -> str:
@@ -173,6 +176,8 @@ class Report:
 
     def __str__(self) -> str:
         lines = ["autoopt report"]
+        if self.deferred and not self.captures:
+            lines.append(f"forward: {self.deferred}")
         for i, c in enumerate(self.captures):
             lines.append(f"[{i}] inputs: {c.inputs}")
             # The seconds are the whole build, not the capture method's: "export (71.78 s)"

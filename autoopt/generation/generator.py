@@ -69,7 +69,7 @@ from autoopt.options.precision import PROMPT_STEP
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GenerationStats", "GenerativeModule", "module_class"]
+__all__ = ["GenerationStats", "GenerativeModule", "defers_forward", "module_class"]
 
 
 @dataclass
@@ -586,3 +586,18 @@ class GenerativeModule(OptimizedModule):
 def module_class(model: nn.Module) -> type[OptimizedModule]:
     """What ``autoopt.optimize`` makes for ``model``."""
     return GenerativeModule if callable(getattr(model, "generate", None)) else OptimizedModule
+
+
+def defers_forward(optimized: OptimizedModule, training: bool) -> bool:
+    """Whether ``optimize`` leaves ``optimized``'s forward graph to its first forward call
+    (``autoopt.module.build.defer_example``): an inference model that decodes through
+    transformers' generation loop (``GenerationMixin``), whose ``generate`` here builds its own
+    step graphs, in fp32, on the backend measured fastest. Under ``precision=`` the forward
+    graph is built at ``optimize``: it is where the precision's next-token agreement is judged,
+    on every position of the example; under ``backend=`` too, which applies or raises there."""
+    can = getattr(optimized.module, "can_generate", None)
+    config = optimized.config
+    return (not training and isinstance(optimized, GenerativeModule)
+            and config.precision in (None, "fp32") and config.backend is None
+            and callable(can) and bool(can())
+            and any(c.__name__ == "GenerationMixin" for c in type(optimized.module).__mro__))

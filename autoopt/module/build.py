@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from autoopt.check.inputs import clone_inputs
+from autoopt.check.state import own_buffers, preserved
 from autoopt.compile.compiled import EagerRaised, model_device
 from autoopt.errors import ConfigError, DeviceError, InputError, ModelError
 from autoopt.module.optimized import OptimizedModule
@@ -94,11 +96,44 @@ def capture_example(optimized: OptimizedModule, args: tuple[Any, ...],
         try:
             optimized.specialize(args, kwargs)
         except EagerRaised as exc:
-            raise ModelError(f"the model raised {type(exc.original).__name__} when run eagerly "
-                             f"on the example inputs: {exc.original}. Check the inputs' number, "
-                             f"shapes and dtypes against the model's forward.") from exc.original
+            raise _raised_on_example(exc.original) from exc.original
     precision_lib.check_applied(optimized.config, optimized.report, optimized.module)
     return optimized
+
+
+def defer_example(optimized: OptimizedModule, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> OptimizedModule:
+    """Run the example call eagerly, as a check of the inputs, and leave its graph to the
+    first forward call (``optimized.report.deferred`` says so).
+
+    For an inference model whose ``generate`` builds its own prompt and decode step graphs:
+    the forward graph built now (capture, passes, verification, the backend choice: 16-45 s
+    for a 100M-parameter decoder on one core) would be work that decoding never uses. A
+    forward call builds it as it builds any new input signature's graph, ``precision=``
+    checked there as here."""
+    module = optimized.module
+    device = model_device(module)
+    cuda = [device.index or 0] if device is not None and device.type == "cuda" else []
+    # On copies of the buffers and inputs, Python state and the RNG put back: the module
+    # may share memory with your model, and the capture's own probe sees a first call.
+    with torch.no_grad(), own_buffers(module), preserved(module), \
+            torch.random.fork_rng(devices=cuda):
+        probe_args, probe_kwargs = clone_inputs(args, kwargs)
+        try:
+            module(*probe_args, **probe_kwargs)
+        except Exception as exc:
+            raise _raised_on_example(exc) from exc
+    optimized.report.deferred = (
+        "the example call's graph is built at the first forward call (fast(...)); "
+        "generate builds and verifies its own prompt and decode step graphs, so none is "
+        "built for the forward until it is called. The example inputs ran eagerly, as a check")
+    return optimized
+
+
+def _raised_on_example(exc: BaseException) -> ModelError:
+    return ModelError(f"the model raised {type(exc).__name__} when run eagerly on the example "
+                      f"inputs: {exc}. Check the inputs' number, shapes and dtypes against the "
+                      f"model's forward.")
 
 
 def unwrap(model: Any) -> nn.Module:
