@@ -72,6 +72,36 @@ def test_a_candidate_that_failed_to_build_is_measured_at_the_next_optimize(
     assert third.report.backends[0].cached
 
 
+@pytest.mark.skipif(bool(openvino.available()), reason=openvino.available() or "installed")
+def test_a_candidate_that_fails_again_is_not_tried_a_third_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure seen when the record was made and again when the choice was measured anew
+    for it is the graph's (an op ONNX cannot translate), not transient: the third optimize
+    builds the winner from the record, as if the candidate had been measured."""
+    calls = []
+
+    def fails(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        raise RuntimeError("no translation for this op")
+
+    monkeypatch.setattr(ort, "lower", fails)
+    model, args = cnn()
+    backends = (*BACKENDS, "openvino")
+    first = autoopt.optimize(model, args, backends=backends)
+    assert first.report.backends[0].skipped["onnxruntime"] == \
+        "failed to lower: RuntimeError: no translation for this op"
+    again = autoopt.optimize(model, args, backends=backends)
+    (choice,) = again.report.backends
+    assert not choice.cached and len(calls) == 2
+    assert choice.skipped["onnxruntime"] == \
+        "failed to lower again: RuntimeError: no translation for this op"
+    third = autoopt.optimize(model, args, backends=backends)
+    (choice,) = third.report.backends
+    assert choice.cached and len(calls) == 2
+    assert choice.skipped["onnxruntime"].startswith("failed to lower again: ")
+    assert_same_function(model, third, args, {})
+
+
 def test_a_record_names_the_candidates_that_failed_with_why() -> None:
     cost = CostModel(cache=CostCache.in_memory())
     cost.record("graph", ["aten", "inductor", "onnxruntime"], {"aten": 1.0, "inductor": 0.5},

@@ -50,6 +50,9 @@ DIFFERS = "differs from eager"
 PREDICTED = "predicted out"
 # How a candidate left out because it cannot win is reported (``Lowering.at_best``).
 NOT_BUILT = "not built: "
+# How a candidate is reported that failed to build when the record was made and again when
+# the choice was measured anew for it: not transient, so not tried again for this record.
+FAILED_AGAIN = "failed to lower again: "
 
 
 def replaces(seconds: float, best: float) -> bool:
@@ -144,7 +147,9 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
                     verdict = None if lowering.verified or verify is None else verify(run)
         except Exception as exc:  # noqa: BLE001 - a backend that fails is skipped, not fatal
             log.info("backend %s failed: %s", lowering.name, exc)
-            skipped[lowering.name] = f"failed to lower: {_failure(exc)}"
+            again = failed.get(lowering.name, "").startswith("failed to lower")
+            skipped[lowering.name] = (f"{FAILED_AGAIN if again else 'failed to lower: '}"
+                                      f"{_failure(exc)}")
             return None
         if verdict is not None and not verdict.ok:
             skipped[lowering.name] = f"{DIFFERS} ({verdict.detail})"
@@ -157,10 +162,13 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
     failed = cost_model.recorded_failures(what, candidates) if stored else {}
     # A candidate that failed to build or to be timed when the record was made: such a
     # failure may be transient (memory, a compiler's temporary error), so the choice is
-    # measured again rather than made for good without it. One that built and computed
-    # another function is not tried again (its reason is reported): that does not pass.
+    # measured again rather than made for good without it; once (a graph with an op ONNX
+    # has no translation for fails each time, and each optimize measured every candidate
+    # again for it). One that built and computed another function is not tried again (its
+    # reason is reported): that does not pass.
     retried = [name for name in _unmeasured(lowerings, stored or {})
-               if not failed.get(name, "").startswith((DIFFERS, PREDICTED, NOT_BUILT))]
+               if not failed.get(name, "").startswith((DIFFERS, PREDICTED, NOT_BUILT,
+                                                       FAILED_AGAIN))]
     if stored and retried:
         log.info("backend: measuring the %s again: %s", graph, "; ".join(
             f"{name} was not measured ({failed.get(name, 'failed')})" for name in retried))
