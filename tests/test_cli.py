@@ -662,3 +662,23 @@ def test_generate_compares_eager_and_autoopt_decoding(tmp_path: Path,
                      out)
     assert main(["generate", f"{source}:tiny_gpt2", "--new", "0"]) == 2
     assert "at least 1" in capsys.readouterr().err
+
+
+def test_optimize_of_a_model_that_generates_shows_its_forward_graph(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """optimize() leaves a generating model's forward to its first call; the command, asked
+    for that forward's report, builds it."""
+    source = tmp_path / "lm.py"
+    source.write_text(textwrap.dedent("""
+        import transformers
+
+        def tiny_gpt2():
+            config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2,
+                                             n_positions=32, bos_token_id=0, eos_token_id=0)
+            return transformers.GPT2LMHeadModel(config).eval()
+    """))
+    assert main(["optimize", f"{source}:tiny_gpt2", "--input", "input_ids=1x8:int64",
+                 "--int-high", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "[0] inputs:" in out and "verification: matched" in out
+    assert "forward: the example call's graph is built at the first forward call" not in out

@@ -88,6 +88,12 @@ def run(args: argparse.Namespace) -> int:
                          verify=not args.no_verify, precision=args.precision,
                          memory_budget=budget, backend=args.backend, calibration=calibration,
                          backends=args.backends.split(",") if args.backends else None)
+    if optimized.report.deferred:  # a model that generates: the command shows its forward
+        import torch
+
+        stage("optimizing the forward: capture, passes, verification")
+        with torch.no_grad():
+            optimized.specialization_for(inputs, kwargs)
     output(str(optimized.report))
     if args.save:
         stage(f"saving {args.save}")
