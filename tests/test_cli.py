@@ -397,6 +397,13 @@ def test_profile_needs_a_whole_graph(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 # --- what a newcomer meets: progress, options, messages ---------------------------------------
 
+class _FakeReport:
+    deferred = ""  # the forward was built at optimize (no model that generates here)
+
+    def __str__(self) -> str:
+        return "autoopt report (fake)"
+
+
 def _fake_optimize(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Replace ``autoopt.api.optimize`` with one that records its arguments, logs as the
     library does while it works, and returns a report at once."""
@@ -407,7 +414,7 @@ def _fake_optimize(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         seen.update(options, model=model, args=args)
         logging.getLogger("autoopt.compile.pass_runner").info("pass fold_batchnorm")
         logging.getLogger("autoopt.passes.packed_linear").debug("linear [4, 8]: 3 us vs 4 us")
-        return SimpleNamespace(report="autoopt report (fake)")
+        return SimpleNamespace(report=_FakeReport())
 
     monkeypatch.setattr("autoopt.api.optimize", optimize)
     return seen
@@ -447,7 +454,7 @@ def test_the_status_line_shows_no_internal_debug_records(
             "initializer for 'w'")
         logging.getLogger("autoopt.onnx.session").debug(
             "ONNX Runtime session for /tmp/autoopt-onnxruntime-x/graph.onnx")
-        return SimpleNamespace(report="autoopt report (fake)")
+        return SimpleNamespace(report=_FakeReport())
 
     monkeypatch.setattr("autoopt.api.optimize", optimize)
     terminal = _Terminal()
@@ -487,7 +494,7 @@ def test_a_long_piped_command_says_now_and_then_what_it_does(
                  **options: Any) -> SimpleNamespace:
         logging.getLogger("autoopt.compile.pass_runner").info("pass fold_batchnorm")
         time.sleep(1.5)
-        return SimpleNamespace(report="autoopt report (fake)")
+        return SimpleNamespace(report=_FakeReport())
 
     monkeypatch.setattr("autoopt.api.optimize", optimize)
     assert main(["optimize", "torch.nn:Identity", "--input", "2x3"]) == 0

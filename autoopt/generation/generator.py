@@ -589,12 +589,9 @@ def module_class(model: nn.Module) -> type[OptimizedModule]:
 
 
 def defers_forward(optimized: OptimizedModule, training: bool) -> bool:
-    """Whether ``optimize`` leaves ``optimized``'s forward graph to its first forward call
-    (``autoopt.module.build.defer_example``): an inference model that decodes through
-    transformers' generation loop (``GenerationMixin``), whose ``generate`` here builds its own
-    step graphs, in fp32, on the backend measured fastest. Under ``precision=`` the forward
-    graph is built at ``optimize``: it is where the precision's next-token agreement is judged,
-    on every position of the example; under ``backend=`` too, which applies or raises there."""
+    """Whether ``optimize`` leaves the forward graph to the first call: an fp32 inference
+    model in transformers' generation loop (``generate`` builds its own step graphs). Under
+    ``precision=`` the forward judges next-token agreement; ``backend=`` applies at once."""
     can = getattr(optimized.module, "can_generate", None)
     config = optimized.config
     return (not training and isinstance(optimized, GenerativeModule)
