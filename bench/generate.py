@@ -10,7 +10,8 @@
 Models (random weights, configs built in code, nothing downloaded): GPT-2 at the 124M shape
 (12 layers, width 768) and a Llama-style decoder of ~100M parameters (RoPE, RMSNorm, SwiGLU,
 grouped-query attention: 8 layers, width 768, 12 heads over 4 KV heads, vocabulary 32000).
-Each: prompt 32 tokens, 128 new (``min_new_tokens`` so every runner makes them all), greedy,
+Each: prompt 32 tokens, 128 new (no end-of-sequence token: every runner makes them all, as
+llama.cpp's benchmark does, and no logits processor runs), greedy,
 batch 1 and 8. Runners, interleaved per round, medians over rounds:
 
 - ``eager``: ``model.generate`` (dynamic KV cache, transformers' default);
@@ -68,7 +69,7 @@ import gguf_file  # noqa: E402
 from cost_model_accuracy import heading, publish  # noqa: E402
 
 import autoopt  # noqa: E402
-from autoopt.cli.generate import time_generation  # noqa: E402
+from autoopt.cli.generate import TIMED, time_generation  # noqa: E402
 from autoopt.onnx.writer import weight_bytes  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -179,8 +180,8 @@ def next_token_agreement(generate: Callable[..., Any], model: nn.Module,
     with torch.no_grad():
         for run in (model.generate, generate):
             forced = _Forced(eager)
-            run(eager[:, :prompt], max_new_tokens=new, do_sample=False,
-                logits_processor=transformers.LogitsProcessorList([forced]))
+            run(eager[:, :prompt], max_new_tokens=new,
+                logits_processor=transformers.LogitsProcessorList([forced]), **TIMED)
             logits.append(torch.stack(forced.seen, 1))
     reference, got = logits
     same = float((got.argmax(-1) == reference.argmax(-1)).float().mean())
@@ -241,7 +242,7 @@ def _child_setup(args: argparse.Namespace) -> int:
     model = MODELS[args.models]().to(device)
     ids = torch.randint(1, model.config.vocab_size, (int(args.batches), args.prompt),
                         device=device)
-    greedy = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False)
+    greedy = dict(max_new_tokens=args.new, **TIMED)
     runner, _, seconds = set_up(args.child_setup, model, ids, greedy)
     start = time.perf_counter()
     synced(runner, device)(ids, **greedy)
@@ -296,7 +297,7 @@ def _run_model(name: str, batch: int, prompt: int, new: int, rounds: int,
     tokens: dict[str, torch.Tensor] = {}
     modules: dict[str, nn.Module] = {}
     failed: dict[str, str] = {}
-    greedy = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    greedy = dict(max_new_tokens=new, **TIMED)
     print(f"[{name} b{batch}] eager reference", flush=True)
     tokens["eager"] = model.generate(ids, **greedy)
     print(f"[{name} b{batch}] torch.compile recipe (compiling)", flush=True)
