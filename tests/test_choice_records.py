@@ -102,6 +102,32 @@ def test_a_candidate_that_fails_again_is_not_tried_a_third_time(
     assert_same_function(model, third, args, {})
 
 
+def test_a_lone_candidate_beside_failures_is_timed_and_recorded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where every other candidate fails to build, the one left is timed against eager, so
+    that a record exists: the next optimize tries the failed one once more, the third builds
+    only the survivor (with nothing recorded, each optimize built them all again)."""
+    calls = []
+
+    def fails(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        raise RuntimeError("no translation for this op")
+
+    monkeypatch.setattr(ort, "lower", fails)
+    model, args = cnn()
+    first = autoopt.optimize(model, args, backends=BACKENDS)
+    (choice,) = first.report.backends
+    assert choice.chosen == "aten" and set(choice.seconds) == {"aten"}
+    assert choice.eager_s is not None  # timed against eager
+    again = autoopt.optimize(model, args, backends=BACKENDS)
+    assert not again.report.backends[0].cached and len(calls) == 2
+    third = autoopt.optimize(model, args, backends=BACKENDS)
+    (choice,) = third.report.backends
+    assert choice.cached and choice.chosen == "aten" and len(calls) == 2
+    assert choice.skipped["onnxruntime"].startswith("failed to lower again: ")
+    assert_same_function(model, third, args, {})
+
+
 def test_a_record_names_the_candidates_that_failed_with_why() -> None:
     cost = CostModel(cache=CostCache.in_memory())
     cost.record("graph", ["aten", "inductor", "onnxruntime"], {"aten": 1.0, "inductor": 0.5},

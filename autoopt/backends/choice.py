@@ -378,9 +378,16 @@ def _against_eager(lowerings: Sequence[Lowering], build: _Build,
                     consider(lowering)
             else:
                 skipped[lowering.name] = out[lowering.name]
+    # Where the others failed to build, the one left is timed (it mostly was, before the
+    # second was built) and recorded: the record spares the next optimize those builds (the
+    # int8 prompt step's hybrid and Inductor: 1.5 s at each optimize).
+    lone = best is not None and any(why.startswith("failed to lower")
+                                    for why in skipped.values())
+    if lone and best[0].name not in ratios:
+        measure(best[0].name, best[1])
     seconds = {name: ratio * eager_s[0] for name, ratio in ratios.items()
                if eager_s and ratio != float("inf")}
-    if len(seconds) > 1 or (seconds and any(n in skipped for n in out)):
+    if len(seconds) > 1 or (seconds and (lone or any(n in skipped for n in out))):
         measuring.record(f"{what}|eager", [_EAGER], {_EAGER: eager_s[0]}, {})
         measuring.record(what, requested, seconds, _failures(lowerings, seconds, skipped))
     return ((best[0].name, best[1]) if best is not None else None, seconds,
