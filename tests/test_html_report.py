@@ -151,3 +151,15 @@ def test_cli_report_writes_the_file(tmp_path: Path, capsys: pytest.CaptureFixtur
     _assert_self_contained(target.read_text())
     assert main(["report", "torchvision.models:mobilenet_v3_small", "-o", str(target)]) == 2
     assert "needs --input SHAPE" in capsys.readouterr().err
+
+
+def test_a_forward_not_built_yet_is_said_so_not_called_unoptimized() -> None:
+    """A language model's forward graph is built at its first call (``generate`` builds its
+    own): until then the passes section says that, not "not optimized"."""
+    from autoopt.check.report import Report
+
+    report = Report([])
+    report.deferred = "the example call's graph is built at the first forward call"
+    text = render_html(ReportData("lm", report=report))
+    assert "built at the first forward call" in text and "not optimized" not in text
+    assert "not optimized" in render_html(ReportData("lm", report=Report([])))

@@ -190,7 +190,8 @@ def _utilization_section(data: ReportData) -> str:
 def _passes_section(data: ReportData) -> str:
     report = data.report or getattr(data.optimized, "report", None)
     if report is None or not report.captures:
-        return _section("What each pass changed", "<p class=\"none\">not optimized</p>")
+        why = getattr(report, "deferred", "") or "not optimized"  # a forward not yet built
+        return _section("What each pass changed", f"<p class=\"none\">{_e(why)}</p>")
     rows, counts = [], {}
     for i, c in enumerate(report.captures):
         rows.append(f"<tr class=\"cap\"><td colspan=\"5\">[{i}] {_e(c.inputs)}: captured by "
