@@ -160,7 +160,7 @@ def bench_row(name: str, batch: int, threads: int, batches: int, rounds: int) ->
                 fast = autoopt.optimize(model, example[0], example[1], **options)
             except autoopt.ConfigError as refused:
                 if label != "autoopt int8":
-                    # bf16 refused where the CPU has no fast bf16 matmul: the cell says so.
+                    # bf16 refused (a CPU without a fast bf16 matmul): the cell says so.
                     setup[label] = f"refused: {str(refused)[:120]}"
                     print(setup[label], file=sys.stderr)
                     continue
@@ -204,8 +204,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         eager = ms["eager fp32"]
 
         def cell(label: str, ms: dict[str, float] = ms, eager: float = eager) -> str:
-            if label not in ms:
-                return "refused (no fast bf16 matmul)"
+            if label not in ms:  # its reason went to stderr
+                return "refused"
             return f"{ms[label]:.1f} ms ({eager / ms[label]:.2f}x)"
         nncf, ours = err["OpenVINO+NNCF int8"], err["autoopt int8"]
         top1 = f" ({nncf[1]} / {ours[1]})" if ours[1] else ""

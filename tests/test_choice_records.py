@@ -72,19 +72,26 @@ def test_a_candidate_that_failed_to_build_is_measured_at_the_next_optimize(
     assert third.report.backends[0].cached
 
 
-@pytest.mark.skipif(bool(openvino.available()), reason=openvino.available() or "installed")
-def test_a_candidate_that_fails_again_is_not_tried_a_third_time(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A failure seen when the record was made and again when the choice was measured anew
-    for it is the graph's (an op ONNX cannot translate), not transient: the third optimize
-    builds the winner from the record, as if the candidate had been measured."""
-    calls = []
+def _onnxruntime_always_fails(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """ONNX Runtime's lowering fails on every build, as on a graph with an op ONNX has no
+    translation for; the list returned counts the builds."""
+    calls: list[int] = []
 
     def fails(*a: Any, **k: Any) -> Any:
         calls.append(1)
         raise RuntimeError("no translation for this op")
 
     monkeypatch.setattr(ort, "lower", fails)
+    return calls
+
+
+@pytest.mark.skipif(bool(openvino.available()), reason=openvino.available() or "installed")
+def test_a_candidate_that_fails_again_is_not_tried_a_third_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure seen when the record was made and again when the choice was measured anew
+    for it is the graph's (an op ONNX cannot translate), not transient: the third optimize
+    builds the winner from the record, as if the candidate had been measured."""
+    calls = _onnxruntime_always_fails(monkeypatch)
     model, args = cnn()
     backends = (*BACKENDS, "openvino")
     first = autoopt.optimize(model, args, backends=backends)
@@ -107,13 +114,7 @@ def test_a_lone_candidate_beside_failures_is_timed_and_recorded(
     """Where every other candidate fails to build, the one left is timed against eager, so
     that a record exists: the next optimize tries the failed one once more, the third builds
     only the survivor (with nothing recorded, each optimize built them all again)."""
-    calls = []
-
-    def fails(*a: Any, **k: Any) -> Any:
-        calls.append(1)
-        raise RuntimeError("no translation for this op")
-
-    monkeypatch.setattr(ort, "lower", fails)
+    calls = _onnxruntime_always_fails(monkeypatch)
     model, args = cnn()
     first = autoopt.optimize(model, args, backends=BACKENDS)
     (choice,) = first.report.backends

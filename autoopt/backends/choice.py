@@ -50,9 +50,15 @@ DIFFERS = "differs from eager"
 PREDICTED = "predicted out"
 # How a candidate left out because it cannot win is reported (``Lowering.at_best``).
 NOT_BUILT = "not built: "
-# How a candidate is reported that failed to build when the record was made and again when
-# the choice was measured anew for it: not transient, so not tried again for this record.
+# How a candidate that failed to build is reported; and one that failed when the record was
+# made and again when the choice was measured anew for it: not transient, so not tried again
+# for this record.
+FAILED = "failed to lower: "
 FAILED_AGAIN = "failed to lower again: "
+
+
+def failed_to_build(why: str) -> bool:
+    return why.startswith((FAILED, FAILED_AGAIN))
 
 
 def replaces(seconds: float, best: float) -> bool:
@@ -147,8 +153,8 @@ def choose_backend(graph: str, lowerings: Sequence[Lowering], skipped: dict[str,
                     verdict = None if lowering.verified or verify is None else verify(run)
         except Exception as exc:  # noqa: BLE001 - a backend that fails is skipped, not fatal
             log.info("backend %s failed: %s", lowering.name, exc)
-            again = failed.get(lowering.name, "").startswith("failed to lower")
-            skipped[lowering.name] = (f"{FAILED_AGAIN if again else 'failed to lower: '}"
+            again = failed_to_build(failed.get(lowering.name, ""))
+            skipped[lowering.name] = (f"{FAILED_AGAIN if again else FAILED}"
                                       f"{_failure(exc)}")
             return None
         if verdict is not None and not verdict.ok:
@@ -381,13 +387,12 @@ def _against_eager(lowerings: Sequence[Lowering], build: _Build,
     # Where the others failed to build, the one left is timed (it mostly was, before the
     # second was built) and recorded: the record spares the next optimize those builds (the
     # int8 prompt step's hybrid and Inductor: 1.5 s at each optimize).
-    lone = best is not None and any(why.startswith("failed to lower")
-                                    for why in skipped.values())
-    if lone and best[0].name not in ratios:
+    others_failed = best is not None and any(map(failed_to_build, skipped.values()))
+    if others_failed and best[0].name not in ratios:
         measure(best[0].name, best[1])
     seconds = {name: ratio * eager_s[0] for name, ratio in ratios.items()
                if eager_s and ratio != float("inf")}
-    if len(seconds) > 1 or (seconds and (lone or any(n in skipped for n in out))):
+    if len(seconds) > 1 or (seconds and (others_failed or any(n in skipped for n in out))):
         measuring.record(f"{what}|eager", [_EAGER], {_EAGER: eager_s[0]}, {})
         measuring.record(what, requested, seconds, _failures(lowerings, seconds, skipped))
     return ((best[0].name, best[1]) if best is not None else None, seconds,
