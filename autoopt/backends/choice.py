@@ -390,6 +390,9 @@ def _against_eager(lowerings: Sequence[Lowering], build: _Build,
     others_failed = best is not None and any(map(failed_to_build, skipped.values()))
     if others_failed and best[0].name not in ratios:
         measure(best[0].name, best[1])
+    if others_failed and not eager_s and ratios.get(best[0].name) == 1.0:
+        # The survivor is the model as is (no pass changed it): eager is timed alone.
+        eager_s.extend(measuring.timings(f"{what}|eager", {_EAGER: yardstick}).values())
     seconds = {name: ratio * eager_s[0] for name, ratio in ratios.items()
                if eager_s and ratio != float("inf")}
     if len(seconds) > 1 or (seconds and (others_failed or any(n in skipped for n in out))):
