@@ -443,7 +443,8 @@ def _int8(gm: GraphModule, ctx: PassContext, tolerance: float,
         precision, tolerance, error, replaced,
         tuple(KeptOp(n, op_names[n], why) for n, why in kept.items()), params_stored_low=replaced,
         trials=measure.trials, masked_sets=measure.masked_sets,
-        kernels=tuple(sorted(counts.items())), group=group if "int4" in counts else None,
+        kernels=tuple(sorted(counts.items())),
+        group=group if {"int4", "int4_blocks"} & counts.keys() else None,
         agreement=agreed, min_agreement=required)
     return PassResult(gm, True, {f"{precision}_linear": replaced, "kept_fp32": len(kept),
                                  **{f"{k}_kernel": c for k, c in counts.items()}})

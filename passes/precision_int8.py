@@ -28,6 +28,7 @@ the ``kernel`` option of the precision pass names one for every linear.
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -35,11 +36,12 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Interpreter, Node
 
-from . import ops, weight_only
+from . import block_kernels, ops, weight_only
 from .graph import attr, fresh_name, meta_val
 from .packed_kernels import fbgemm_engine, fits_fp16, pack_fp16, quantized_engine
 
 aten = torch.ops.aten
+log = logging.getLogger(__name__)
 
 # oneDNN's int8 kernels use VNNI/AMX where the CPU has them (about 2x faster than the x86
 # engine's FBGEMM at BERT-base shapes on Sapphire Rapids); the others are fallbacks.
@@ -67,12 +69,17 @@ KERNEL = "autoopt_quantized_kernel"
 FASTER = "autoopt_quantized_faster"
 # The kernels of each precision, by the name they are measured under; the first is the one
 # taken unmeasured.
-KERNELS = {"int8": ("int8", "int8_fbgemm", "int8_weight"), "int4": ("int4",)}
+KERNELS = {"int8": ("int8", "int8_fbgemm", "int8_blocks", "int8_weight"),
+           "int4": ("int4", "int4_blocks")}
 # What the report calls them.
 KERNEL_NAMES = {"int8": "int8 dynamic (int8 activations)",
                 "int8_fbgemm": "int8 dynamic, FBGEMM's (int8 activations)",
                 "int8_weight": "int8 weight-only (bf16 activations)",
-                "int4": "int4 weight-only (bf16 activations)"}
+                "int4": "int4 weight-only (bf16 activations)",
+                "int8_blocks": "int8 x int8 in blocks of 32 (autoopt's VNNI kernel)",
+                "int4_blocks": "int4 x int8 in blocks of 32 (autoopt's VNNI kernel)"}
+# autoopt's own kernels (``block_kernels``), in llama.cpp's manner.
+BLOCKS = ("int8_blocks", "int4_blocks")
 # The dynamic kernels (int8 activations quantized per call): each packs for its engine.
 DYNAMIC = ("int8", "int8_fbgemm")
 # bf16 as weights alone (the precision pass's ``weight_only`` option, which ``optimize`` sets
@@ -119,9 +126,18 @@ def kernels_for(gm: GraphModule, node: Node, precision: str, options: Any) -> tu
     fits = {"int8": lambda: True, "int8_fbgemm": lambda: _fbgemm_engine() is not None,
             "int8_weight": lambda: weight_only.int8_weight_fits(weight),
             "int4": lambda: weight_only.int4_fits(weight, group),
+            "int8_blocks": lambda: block_kernels.fits(weight) and _blocks_here(),
+            "int4_blocks": lambda: block_kernels.fits(weight, group) and _blocks_here(),
             FP16_WEIGHT: lambda: fbgemm_engine() is not None and fits_fp16(weight)}
     wanted = options.get("kernel")
     return tuple(k for k in kernel_set(precision, options) if wanted in (None, k) and fits[k]())
+
+
+def _blocks_here() -> bool:
+    why = block_kernels.unavailable()
+    if why is not None:
+        log.info("precision: autoopt's block kernels are not candidates: they need %s", why)
+    return why is None
 
 
 def group_size(options: Any) -> int:
@@ -183,18 +199,25 @@ def why_no_candidate(gm: GraphModule, precision: str, options: Any) -> str:
                 "quantized engine besides the one the int8 kernel packs for. Leave the kernel "
                 "option out, or drop precision=")
     if stored and len(unfit) == len(stored):
-        kernel = wanted or KERNELS[precision][-1]
+        # The weight-only kernel's needs: the block kernels' are the same or more.
+        kernel = wanted or next(k for k in KERNELS[precision] if k not in (*DYNAMIC, *BLOCKS))
         shapes = sorted({tuple(_weight_of(gm, n).shape) for n in unfit})
         other = ("leave the kernel option out (the dynamic int8 kernel takes any width)"
                  if wanted else "use precision='int8' (any width)")
         return (f"no linear layer fits the {kernel} kernel, which needs "
-                f"{weight_only.widths_needed(kernel, group_size(options))}: this model's "
+                f"{_widths_needed(kernel, group_size(options))}: this model's "
                 f"(out, in) are {', '.join(map(str, shapes[:4]))}"
                 + (f" and {len(shapes) - 4} more" if len(shapes) > 4 else "")
                 + f"{tail}. {other[0].upper()}{other[1:]}, {instead}or drop precision=")
     return (f"no linear layer has an fp32 weight stored in the model and an fp32 input, which "
             f"the {precision} kernels take{tail}. Use {instead or 'fp32 weights, '}or drop "
             f"precision=")
+
+
+def _widths_needed(kernel: str, group: int) -> str:
+    if kernel in BLOCKS:
+        return block_kernels.widths_needed(group if kernel == "int4_blocks" else 1)
+    return weight_only.widths_needed(kernel, group)
 
 
 def _macs(gm: GraphModule, targets: Any) -> int:
@@ -237,11 +260,12 @@ def apply_int8(gm: GraphModule, names: Iterable[str] | Mapping[str, str],
             weight = _packed_for(gm, node, packed, kernel, group)
             with gm.graph.inserting_before(node):
                 attrs = {}
-                for suffix, tensor in weight_only.tensors(weight).items():
+                lowering = block_kernels if kernel in BLOCKS else weight_only
+                for suffix, tensor in lowering.tensors(weight).items():
                     name = fresh_name(gm, f"{node.name}_{kernel}_{suffix}")
                     gm.register_buffer(name, tensor)
                     attrs[suffix] = gm.graph.get_attr(name)
-                new = weight_only.emit(gm, node, _input(node), weight, attrs, _bias(node))
+                new = lowering.emit(gm, node, _input(node), weight, attrs, _bias(node))
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)
             replaced += 1
@@ -285,6 +309,8 @@ def slower_than_fp32(gm: GraphModule, ctx: Any, nodes: Iterable[Node]) -> dict[s
     makes: dict[str, Callable[..., Any]] = {
         "int8_weight": lambda w, b, rowwise: _weight_only_call(weight_only.quantize_int8(w), b),
         "int4": lambda w, b, rowwise: _weight_only_call(weight_only.quantize_int4(w, group), b),
+        "int8_blocks": lambda w, b, rowwise: _block_call(block_kernels.pack_int8(w), b),
+        "int4_blocks": lambda w, b, rowwise: _block_call(block_kernels.pack_int4(w, group), b),
         "int8": lambda w, b, rowwise: int8_linear(w, b, rowwise),
         "int8_fbgemm": lambda w, b, rowwise: int8_linear(w, b, rowwise, _fbgemm_engine()),
         FP16_WEIGHT: lambda w, b, rowwise: fp16_linear(w, b)}
@@ -319,6 +345,11 @@ def slower_than_fp32(gm: GraphModule, ctx: Any, nodes: Iterable[Node]) -> dict[s
 def _weight_only_call(weight: Any, bias: torch.Tensor | None,
                       ) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: weight_only.linear(x, weight, bias)
+
+
+def _block_call(weight: Any, bias: torch.Tensor | None,
+                ) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: block_kernels.linear(x, weight, bias)
 
 
 def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, rowwise: bool,
@@ -384,6 +415,8 @@ class Int8Interpreter(Interpreter):
         weight = _packed_for(self.module, n, self.packed, kernel, self.group)
         if kernel == FP16_WEIGHT:
             return _fp16_call(self.env[_input(n)], weight, bias)
+        if kernel in BLOCKS:
+            return block_kernels.linear(self.env[_input(n)], weight, bias)
         if kernel not in DYNAMIC:
             return weight_only.linear(self.env[_input(n)], weight, bias)
         return _int8_call(self.env[_input(n)], weight, _rowwise(n), bias)
@@ -462,6 +495,10 @@ def _packed_for(gm: Any, node: Node, packed: dict[Any, Any], kernel: str = "int8
             packed[key] = weight_only.quantize_int8(weight)
         elif kernel == "int4":
             packed[key] = weight_only.quantize_int4(weight, group)
+        elif kernel == "int8_blocks":
+            packed[key] = block_kernels.pack_int8(weight)
+        elif kernel == "int4_blocks":
+            packed[key] = block_kernels.pack_int4(weight, group)
         else:
             bias = attr(gm, bias_node) if bias_node is not None and not _rowwise(node) \
                 else None

@@ -18,7 +18,7 @@ from autoopt import capture
 from autoopt.errors import ConfigError
 from autoopt.options.config import OptimizeConfig
 from autoopt.options.precision import check_target
-from autoopt.passes import PassContext, precision_int8, weight_only
+from autoopt.passes import PassContext, block_kernels, precision_int8, weight_only
 from autoopt.passes.precision import cast_precision
 
 aten = torch.ops.aten
@@ -144,7 +144,12 @@ def test_an_output_width_int4_cannot_pack_is_padded_and_sliced_back() -> None:
 @pytest.mark.parametrize(("model", "precision", "kernel"), [
     (_llama, "int8", "int8"), (_llama, "int8", "int8_fbgemm"), (_llama, "int8", "int8_weight"),
     (_llama, "int4", "int4"),
-    (_gpt2, "int8", "int8_weight"), (_gpt2, "int4", "int4")])
+    (_gpt2, "int8", "int8_weight"), (_gpt2, "int4", "int4"),
+    *(pytest.param(m, p, k, marks=pytest.mark.skipif(
+        block_kernels.unavailable() is not None,
+        reason=f"autoopt's block kernels need {block_kernels.unavailable()}"))
+      for m, p, k in [(_llama, "int8", "int8_blocks"), (_llama, "int4", "int4_blocks"),
+                      (_gpt2, "int4", "int4_blocks")])])
 def test_each_kernel_computes_the_model_within_the_tolerance(model: Any, precision: str,
                                                              kernel: str) -> None:
     """Every linear in the named kernel (GPT-2's are Conv1D: addmm of a weight stored (in,
@@ -162,7 +167,9 @@ def test_each_kernel_computes_the_model_within_the_tolerance(model: Any, precisi
     op = {"int8": torch.ops.quantized.linear_dynamic.default,
           "int8_fbgemm": torch.ops.quantized.linear_dynamic.default,
           "int8_weight": aten._weight_int8pack_mm.default,
-          "int4": aten._weight_int4pack_mm_for_cpu.default}[kernel]
+          "int4": aten._weight_int4pack_mm_for_cpu.default,
+          "int8_blocks": torch.ops.autoopt_blocks.int8_linear.default,
+          "int4_blocks": torch.ops.autoopt_blocks.int4_linear.default}[kernel]
     quantized = result.graph_module
     quantized.recompile()
     assert _targets(quantized).count(op) == linears

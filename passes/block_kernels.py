@@ -1,0 +1,250 @@
+"""int8 and int4 linears in llama.cpp's manner, as kernels of autoopt's own: the activations
+quantized to int8 per block of 32 input features at each call, int8 x int8 (int4 x int8) dot
+products with AVX-512 VNNI, one fp32 scale step per block (``block_gemm.c``).
+
+    x ─ linear(W, b) ─ y   ⟶   x ─ autoopt_blocks.int8_linear(panels(q8 + 128), s, b) ─ y
+    x ─ linear(W, b) ─ y   ⟶   x ─ autoopt_blocks.int4_linear(panels(q4 | s | z), b) ─ y
+
+The weights are ``weight_only``'s (the same codes, scales and zeros: int8 per output channel,
+int4 in groups), laid out in panels of 16 output rows that one ``vpdpbusd`` multiplies by 4
+broadcast input features. ATen's weight-only kernels take bf16 activations and, at one row,
+ran at 23% (int4) and 39% (int8) of the memory roofline on an Intel Xeon without AMX; these
+read the weights at ~11-14 GB/s there (the machine streams 15.7). They are candidates like any
+other kernel: ``precision_int8.slower_than_fp32`` measures them per shape beside fp32's and
+the others, and keeps the fastest.
+
+The C source is compiled on first use with the system's C compiler (``cc``, under 1 s) into
+autoopt's cache folder, keyed by the source's hash; where there is no compiler, no x86-64 CPU
+with AVX-512 VNNI, or the build fails, ``unavailable()`` says why and the kernels are not
+candidates. The ops are registered with ``torch.library`` (a fake kernel for shapes), so
+graphs, Inductor and ``torch.export`` carry them as any ATen op.
+
+Reference: ``reference(x, dequantized_weight, bias)``, the product of the dequantized weight
+with the activations quantized per block as the kernel quantizes them, in fp32: the kernels
+equal it up to the order of fp32 sums.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from autoopt.cost_model.cache import default_cache_dir
+
+from . import weight_only
+
+log = logging.getLogger(__name__)
+
+BLOCK = 32  # input features per activation scale (Q8_0's)
+_PANEL = 16  # output rows per panel: one vpdpbusd's int32 lanes
+_SOURCE = Path(__file__).with_name("block_gemm.cpp")
+
+
+@dataclass(frozen=True)
+class BlockInt8Weight:
+    """An ``(out, in)`` int8 weight (``weight_only.quantize_int8``'s codes and scales) in
+    panels: ``panels`` uint8 ``(out / 16, in * 16)``, the codes plus 128; ``scales`` bf16 per
+    padded output row."""
+
+    panels: torch.Tensor
+    scales: torch.Tensor
+    out: int
+
+
+@dataclass(frozen=True)
+class BlockInt4Weight:
+    """An ``(out, in)`` int4 weight (``weight_only``'s codes, scales and zeros, in groups of
+    ``group``) in panels: uint8 ``(out / 16, in / group, group * 8 + 64)``, each group's
+    nibbles followed by its 16 rows' bf16 scales and zeros."""
+
+    panels: torch.Tensor
+    group: int
+    out: int
+
+
+BlockWeight = BlockInt8Weight | BlockInt4Weight
+
+
+def fits(weight: torch.Tensor, group: int = BLOCK) -> bool:
+    """Whether the kernels take this ``(out, in)`` weight: an input width in whole blocks
+    (and int4 groups)."""
+    return weight.dim() == 2 and weight.shape[1] % BLOCK == 0 and weight.shape[1] % group == 0
+
+
+def widths_needed(group: int = BLOCK) -> str:
+    return f"an input width that is a multiple of {max(group, BLOCK)}"
+
+
+def pack_int8(weight: torch.Tensor) -> BlockInt8Weight:
+    q8 = weight_only.quantize_int8(weight)
+    out, width = q8.q.shape
+    padded = -(-out // _PANEL) * _PANEL
+    codes = torch.zeros(padded, width, dtype=torch.int16)
+    codes[:out] = q8.q.to(torch.int16)
+    # panel, chunk of 4 features, row, feature: one vpdpbusd operand per (panel, chunk)
+    panels = (codes + 128).to(torch.uint8).reshape(padded // _PANEL, _PANEL, width // 4, 4)
+    panels = panels.permute(0, 2, 1, 3).reshape(padded // _PANEL, -1).contiguous()
+    scales = torch.zeros(padded, dtype=torch.bfloat16)
+    scales[:out] = q8.scales
+    return BlockInt8Weight(panels, scales, out)
+
+
+def pack_int4(weight: torch.Tensor, group: int = weight_only.DEFAULT_GROUP) -> BlockInt4Weight:
+    if not fits(weight, group):
+        raise ValueError(f"int4_blocks needs {widths_needed(group)}; got a weight of "
+                         f"{tuple(weight.shape)}")
+    codes, scale_zeros = weight_only._int4_codes(weight, group)  # (out, in), (g, out, 2)
+    out, width = codes.shape
+    padded, groups = -(-out // _PANEL) * _PANEL, width // group
+    full = torch.full((padded, width), 8, dtype=torch.int32)  # padding rows: scale 0, zero 0
+    full[:out] = codes
+    # panel, group, pair of 4-feature chunks, row, feature, low/high nibble
+    full = full.reshape(padded // _PANEL, _PANEL, groups, group // 8, 2, 4)
+    full = full.permute(0, 2, 3, 1, 5, 4)
+    nibbles = (full[..., 0] | (full[..., 1] << 4)).to(torch.uint8)
+    nibbles = nibbles.reshape(padded // _PANEL, groups, group * 8)
+    sz = torch.zeros(groups, padded, 2, dtype=torch.bfloat16)
+    sz[:, :out] = scale_zeros
+    sz = sz.reshape(groups, padded // _PANEL, _PANEL, 2).permute(1, 0, 3, 2).contiguous()
+    sz = sz.view(torch.uint8).reshape(padded // _PANEL, groups, 4 * _PANEL)
+    return BlockInt4Weight(torch.cat([nibbles, sz], -1).contiguous(), group, out)
+
+
+def dequantized(weight: torch.Tensor, kernel: str, group: int = weight_only.DEFAULT_GROUP,
+                ) -> torch.Tensor:
+    """The fp32 ``(out, in)`` weight ``kernel`` (``int8_blocks``/``int4_blocks``) computes with."""
+    if kernel == "int8_blocks":
+        return weight_only.dequantize_int8(weight_only.quantize_int8(weight))
+    return weight_only.dequantize_int4(weight, group)
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32, last dimension in whole blocks) as the kernels see it: each block of 32
+    rounded to 255 steps of its largest magnitude over 127, back in fp32."""
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    largest = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(largest > 0, 127.0 / largest, torch.zeros_like(largest))
+    codes = torch.round(blocks * inverse).clamp(-127, 127)
+    return (codes * (largest / 127.0)).reshape(x.shape)
+
+
+def reference(x: torch.Tensor, dequantized_weight: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """What the kernels compute, in fp32 from the dequantized weight (see the module's doc)."""
+    y = quantized_activations(x) @ dequantized_weight.t()
+    return y if bias is None else y + bias
+
+
+def tensors(weight: BlockWeight) -> dict[str, torch.Tensor]:
+    """The tensors a graph holds for ``weight``, by a suffix for their attribute names."""
+    if isinstance(weight, BlockInt8Weight):
+        return {"panels": weight.panels, "scales": weight.scales}
+    return {"panels": weight.panels}
+
+
+def linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The quantized linear, run eagerly (through the registered op, as a graph runs it)."""
+    why = unavailable()
+    if why is not None:
+        raise RuntimeError(f"autoopt's block kernels need {why}")
+    if isinstance(weight, BlockInt8Weight):
+        return torch.ops.autoopt_blocks.int8_linear(x, weight.panels, weight.scales, bias,
+                                                    weight.out)
+    return torch.ops.autoopt_blocks.int4_linear(x, weight.panels, weight.group, bias,
+                                                weight.out)
+
+
+def emit(gm: torch.fx.GraphModule, node: torch.fx.Node, x: torch.fx.Node, weight: BlockWeight,
+         attrs: dict[str, torch.fx.Node], bias: torch.fx.Node | None) -> torch.fx.Node:
+    """The op's node before ``node`` (whose input is ``x``), reading the weight's tensors from
+    the ``get_attr`` nodes ``attrs`` (``tensors(weight)``'s keys)."""
+    if isinstance(weight, BlockInt8Weight):
+        target = torch.ops.autoopt_blocks.int8_linear.default
+        args = (x, attrs["panels"], attrs["scales"], bias, weight.out)
+    else:
+        target = torch.ops.autoopt_blocks.int4_linear.default
+        args = (x, attrs["panels"], weight.group, bias, weight.out)
+    new = gm.graph.call_function(target, args)
+    new.meta["val"] = node.meta.get("val")
+    return new
+
+
+# --- the library -----------------------------------------------------------------------------
+
+def unavailable() -> str | None:
+    """Why the kernels cannot run here (what they need), or None where they can; builds the
+    extension on the first call in a machine's life (~25 s, then loaded from the cache)."""
+    return _loaded()
+
+
+@functools.cache
+def _loaded() -> str | None:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"an x86-64 CPU with AVX-512 VNNI (this is {platform.machine()})"
+    if os.name != "posix":
+        return "a POSIX system's C++ compiler"
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        return "a C++ compiler (c++ or g++ on PATH) to build them"
+    if not _vnni():
+        return "a CPU with AVX-512 VNNI (this one has none)"
+    quiet = logging.getLogger("torch.utils.cpp_extension")  # its import warns of CUDA_HOME
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        quiet.setLevel(level)
+    if not cpp_extension.is_ninja_available():
+        return "ninja to build them (pip install ninja)"
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:12]
+    folder = default_cache_dir() / "kernels" / key
+    folder.mkdir(parents=True, exist_ok=True)
+    # The line optimize's progress shows while it builds (the first time: ~25 s).
+    log.info("block kernels: compiling autoopt's int8/int4 kernels (once on this machine)")
+    try:
+        cpp_extension.load(f"autoopt_block_gemm_{key}", [str(_SOURCE)], extra_cflags=["-O3"],
+                           build_directory=str(folder), is_python_module=False, verbose=False)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        text = " ".join(str(exc).split())
+        return f"their C++ source to build ({text[:300]})"
+    return None if torch.ops.autoopt_blocks.supported() else "a CPU with AVX-512 VNNI"
+
+
+def _vnni() -> bool:
+    """AVX-512 VNNI as the kernel needs it (with F, BW, VL), from the CPU's flags."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("\nflags", 2)[1].split("\n")[0].split()
+    except (OSError, IndexError):
+        return False
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= set(flags)
+
+
+# The schemas (the CPU kernels are block_gemm.cpp's, registered when it loads) and the shapes
+# they return, for graphs, Inductor and export.
+_LIB = torch.library.Library("autoopt_blocks", "FRAGMENT")
+_LIB.define("int8_linear(Tensor x, Tensor panels, Tensor scales, Tensor? bias, int out) "
+            "-> Tensor")
+_LIB.define("int4_linear(Tensor x, Tensor panels, int group, Tensor? bias, int out) -> Tensor")
+
+
+@torch.library.register_fake("autoopt_blocks::int8_linear")
+def _int8_fake(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
+               bias: torch.Tensor | None, out: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out))
+
+
+@torch.library.register_fake("autoopt_blocks::int4_linear")
+def _int4_fake(x: torch.Tensor, panels: torch.Tensor, group: int,
+               bias: torch.Tensor | None, out: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out))

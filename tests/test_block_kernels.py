@@ -1,0 +1,157 @@
+"""autoopt's own int8/int4 kernels (``passes/block_kernels.py``): activations in int8 per block
+of 32, VNNI dot products. Each equals its dequantized reference within fp32 rounding, in any
+layout a graph hands it; the precision pass takes one only where it measures faster than
+fp32's; a decoder runs on them end to end. They need an x86-64 CPU with AVX-512 VNNI and a C++
+compiler: elsewhere these tests skip with the reason ``unavailable()`` gives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import autoopt
+from autoopt import capture
+from autoopt.passes import PassContext, block_kernels
+from autoopt.passes.precision import cast_precision
+
+from .test_weight_only import _llama, _Picks, _targets
+
+WHY = block_kernels.unavailable()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"the block kernels need {WHY}")
+
+PACK = {"int8_blocks": block_kernels.pack_int8, "int4_blocks": block_kernels.pack_int4}
+
+
+def _rounding(reference: torch.Tensor, width: int) -> float:
+    """fp32 sums of ``width`` products taken in another order: a few ulps of the largest."""
+    largest = float(reference.abs().max()) if reference.numel() else 0.0
+    return 4 * width * torch.finfo(torch.float32).eps * max(1.0, largest)
+
+
+@pytest.mark.parametrize("kernel", sorted(PACK))
+@pytest.mark.parametrize(("out", "width", "leading"), [
+    (16, 32, (1,)), (40, 64, (3,)), (768, 768, (1,)), (100, 2048, (2, 5)), (37, 96, (0,))])
+def test_each_kernel_equals_its_dequantized_reference(kernel: str, out: int, width: int,
+                                                      leading: tuple[int, ...]) -> None:
+    """Any row count (none, one, a batch of sequences), an output width that is not a
+    multiple of the 16-row panel (padded and cut), with and without a bias."""
+    torch.manual_seed(out + width)
+    weight, x, bias = torch.randn(out, width) * 0.05, torch.randn(*leading, width), \
+        torch.randn(out)
+    packed = PACK[kernel](weight)
+    dequantized = block_kernels.dequantized(weight, kernel)
+    for b in (None, bias):
+        got = block_kernels.linear(x, packed, b)
+        want = block_kernels.reference(x, dequantized, b)
+        assert got.shape == (*leading, out) and got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=0, atol=_rounding(want, width))
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_groups_and_the_activation_blocks(group: int) -> None:
+    """A group of 64 or 128 features holds two or four activation blocks: each block takes
+    its own activation scale and the group's weight scale. A block of zeros (a scale of 0)
+    contributes nothing."""
+    torch.manual_seed(group)
+    weight, x = torch.randn(48, 256) * 0.05, torch.randn(3, 256) * 4
+    x[1, 32:64] = 0.0
+    got = block_kernels.linear(x, block_kernels.pack_int4(weight, group), None)
+    want = block_kernels.reference(x, block_kernels.dequantized(weight, "int4_blocks", group),
+                                   None)
+    torch.testing.assert_close(got, want, rtol=0, atol=_rounding(want, 256))
+
+
+def test_the_reference_is_the_weights_and_activations_rounding() -> None:
+    """The reference itself: within int8's rounding of the fp32 product, and only that."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(64, 128) * 0.05, torch.randn(4, 128)
+    exact = x @ weight.t()
+    int8 = block_kernels.reference(x, block_kernels.dequantized(weight, "int8_blocks"), None)
+    error = float((int8 - exact).abs().max())
+    assert 0 < error <= 0.02 * float(exact.abs().max())
+    assert torch.equal(block_kernels.quantized_activations(torch.zeros(2, 64)),
+                       torch.zeros(2, 64))
+
+
+def test_inputs_in_other_layouts_and_dtypes() -> None:
+    """A transposed (non-contiguous) input, a bf16 one (the result in bf16, as a linear's),
+    and the thread count: each panel is computed whole by one thread, so 1 and 2 threads
+    give the same bits."""
+    torch.manual_seed(1)
+    weight = torch.randn(96, 64) * 0.05
+    packed = block_kernels.pack_int4(weight)
+    x = torch.randn(64, 5).t()
+    want = block_kernels.linear(x.contiguous(), packed, None)
+    assert torch.equal(block_kernels.linear(x, packed, None), want)
+    low = block_kernels.linear(x.to(torch.bfloat16), packed, None)
+    assert low.dtype == torch.bfloat16
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = block_kernels.linear(x, packed, None)
+        torch.set_num_threads(2)
+        two = block_kernels.linear(x, packed, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def _mlp() -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(),
+                                torch.nn.Linear(96, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 48)).eval()
+    with torch.no_grad():  # int4's rounding within what the stand-in cost model checks
+        for layer in model[::2]:
+            layer.weight.mul_(0.2)
+    return model, torch.randn(4, 64)
+
+
+@pytest.mark.parametrize(("precision", "kernel"), [("int8", "int8_blocks"),
+                                                    ("int4", "int4_blocks")])
+def test_the_pass_takes_the_kernel_only_where_it_measures_faster_than_fp32(
+        precision: str, kernel: str) -> None:
+    """Measured per shape beside fp32's kernels and the precision's others: the linear whose
+    measurement it wins runs on it; the one where fp32 wins stays fp32."""
+    model, x = _mlp()
+    with torch.no_grad():
+        gm = capture.export_graph(model, (x,), {})
+    cost = _Picks({96: kernel, 32: "aten", 48: kernel})
+    result = cast_precision(gm, PassContext((x,), cost=cost, options={
+        "precision": precision, "tolerance": 0.9}))
+    assert all(kernel in names for _, names in cost.asked)
+    summary = result.graph_module.meta["precision"]
+    assert summary.kernels == ((kernel, 2),)
+    assert [k.why.startswith(f"{precision} measured slower than fp32") for k in summary.kept] \
+        == [True]
+    op = getattr(torch.ops.autoopt_blocks, f"{precision}_linear").default
+    assert _targets(result.graph_module).count(op) == 2
+    result.graph_module.recompile()
+    with torch.no_grad():
+        got, expected = result.graph_module(x), model(x)
+    assert (got - expected).abs().max() <= 0.9 * max(1.0, float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("backend", ["aten", "inductor"])
+def test_a_decoder_generates_on_the_kernel_through_each_backend(backend: str) -> None:
+    """``optimize`` with the kernel named: every linear of the decode step runs on it, in
+    ATen's graph and in Inductor's generated code (which calls the op), and generate makes
+    the same tokens as the kernel's own model would: the step graph verified against eager's
+    logits within int4's tolerance, the tokens compared to eager's for sanity only."""
+    model = _llama()
+    ids = torch.randint(0, model.config.vocab_size, (1, 12))
+    fast = autoopt.optimize(model, (ids,), precision="int4", backend=backend,
+                            pass_options={"precision": {"kernel": "int4_blocks",
+                                                        "min_agreement": 0.0}})
+    out = fast.generate(ids, max_new_tokens=6, do_sample=False)
+    assert out.shape == (1, 18) and torch.equal(out[:, :12], ids)
+    assert fast.generation_stats.graph_steps >= 5
+    kernels: dict[str, Any] = {}
+    for report in fast._generator.reports:
+        for capture_ in report.captures:
+            summary = getattr(capture_, "precision", None)
+            if summary is not None:
+                kernels.update(dict(summary.kernels))
+    assert set(kernels) == {"int4_blocks"}
