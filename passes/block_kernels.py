@@ -1,6 +1,8 @@
 """int8 and int4 linears in llama.cpp's manner, as kernels of autoopt's own: the activations
 quantized to int8 per block of 32 input features at each call, int8 x int8 (int4 x int8) dot
-products with AVX-512 VNNI, one fp32 scale step per block (``block_gemm.c``).
+products with AVX-512 VNNI, one fp32 scale step per block (``block_gemm.cpp``). Beside them,
+fp16 weights with fp32 activations (``fp16_panels``), for ``precision="bf16"`` on a CPU
+without a fast bf16 GEMM, in the same panels.
 
     x ─ linear(W, b) ─ y   ⟶   x ─ autoopt_blocks.int8_linear(panels(q8 + 128), s, b) ─ y
     x ─ linear(W, b) ─ y   ⟶   x ─ autoopt_blocks.int4_linear(panels(q4 | s | z), b) ─ y
@@ -19,7 +21,7 @@ with AVX-512 VNNI, or the build fails, ``unavailable()`` says why and the kernel
 candidates. The ops are registered with ``torch.library`` (a fake kernel for shapes), so
 graphs, Inductor and ``torch.export`` carry them as any ATen op.
 
-Reference: ``reference(x, dequantized_weight, bias)``, the product of the dequantized weight
+Reference: ``reference(x, dequantized_weight, bias, kernel)``, the product of the dequantized weight
 with the activations quantized per block as the kernel quantizes them, in fp32: the kernels
 equal it up to the order of fp32 sums.
 """
@@ -71,7 +73,17 @@ class BlockInt4Weight:
     out: int
 
 
-BlockWeight = BlockInt8Weight | BlockInt4Weight
+@dataclass(frozen=True)
+class Fp16PanelWeight:
+    """An ``(out, in)`` weight in fp16 (where every magnitude fits), in panels: fp16
+    ``(out / 16, in * 16)``, each input feature's 16 rows side by side. For ``precision="bf16"``
+    where the CPU has no fast bf16 GEMM (``precision_int8.FP16_WEIGHT``): fp32 activations."""
+
+    panels: torch.Tensor
+    out: int
+
+
+BlockWeight = BlockInt8Weight | BlockInt4Weight | Fp16PanelWeight
 
 
 def fits(weight: torch.Tensor, group: int = BLOCK) -> bool:
@@ -119,9 +131,26 @@ def pack_int4(weight: torch.Tensor, group: int = weight_only.DEFAULT_GROUP) -> B
     return BlockInt4Weight(torch.cat([nibbles, sz], -1).contiguous(), group, out)
 
 
+def pack_fp16(weight: torch.Tensor) -> Fp16PanelWeight:
+    out, width = weight.shape
+    padded = -(-out // _PANEL) * _PANEL
+    rows = torch.zeros(padded, width, dtype=torch.float16)
+    rows[:out] = weight.detach()
+    panels = rows.reshape(padded // _PANEL, _PANEL, width).transpose(1, 2)
+    return Fp16PanelWeight(panels.reshape(padded // _PANEL, -1).contiguous(), out)
+
+
+def fits_fp16(weight: torch.Tensor) -> bool:
+    """An input width the fp16 kernel takes (whole steps of 4 features)."""
+    return weight.dim() == 2 and weight.shape[1] % 4 == 0
+
+
 def dequantized(weight: torch.Tensor, kernel: str, group: int = weight_only.DEFAULT_GROUP,
                 ) -> torch.Tensor:
-    """The fp32 ``(out, in)`` weight ``kernel`` (``int8_blocks``/``int4_blocks``) computes with."""
+    """The fp32 ``(out, in)`` weight ``kernel`` (``int8_blocks``, ``int4_blocks``,
+    ``fp16_panels``) computes with."""
+    if kernel == "fp16_panels":
+        return weight.detach().half().float()
     if kernel == "int8_blocks":
         return weight_only.dequantize_int8(weight_only.quantize_int8(weight))
     return weight_only.dequantize_int4(weight, group)
@@ -137,10 +166,13 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     return (codes * (largest / 127.0)).reshape(x.shape)
 
 
-def reference(x: torch.Tensor, dequantized_weight: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
-    """What the kernels compute, in fp32 from the dequantized weight (see the module's doc)."""
-    y = quantized_activations(x) @ dequantized_weight.t()
+def reference(x: torch.Tensor, dequantized_weight: torch.Tensor, bias: torch.Tensor | None,
+              kernel: str = "int8_blocks") -> torch.Tensor:
+    """What ``kernel`` computes, in fp32 from the dequantized weight (see the module's doc):
+    the int8 and int4 kernels on the activations rounded per block, the fp16 one on them as
+    they are."""
+    x = x.float() if kernel == "fp16_panels" else quantized_activations(x)
+    y = x @ dequantized_weight.t()
     return y if bias is None else y + bias
 
 
@@ -148,7 +180,7 @@ def tensors(weight: BlockWeight) -> dict[str, torch.Tensor]:
     """The tensors a graph holds for ``weight``, by a suffix for their attribute names."""
     if isinstance(weight, BlockInt8Weight):
         return {"panels": weight.panels, "scales": weight.scales}
-    return {"panels": weight.panels}
+    return {"panels": weight.panels}  # int4's scales and zeros are inside, fp16 has none
 
 
 def linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -159,6 +191,8 @@ def linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None) -> t
     if isinstance(weight, BlockInt8Weight):
         return torch.ops.autoopt_blocks.int8_linear(x, weight.panels, weight.scales, bias,
                                                     weight.out)
+    if isinstance(weight, Fp16PanelWeight):
+        return torch.ops.autoopt_blocks.fp16_linear(x, weight.panels, bias, weight.out)
     return torch.ops.autoopt_blocks.int4_linear(x, weight.panels, weight.group, bias,
                                                 weight.out)
 
@@ -170,6 +204,9 @@ def emit(gm: torch.fx.GraphModule, node: torch.fx.Node, x: torch.fx.Node, weight
     if isinstance(weight, BlockInt8Weight):
         target = torch.ops.autoopt_blocks.int8_linear.default
         args = (x, attrs["panels"], attrs["scales"], bias, weight.out)
+    elif isinstance(weight, Fp16PanelWeight):
+        target = torch.ops.autoopt_blocks.fp16_linear.default
+        args = (x, attrs["panels"], bias, weight.out)
     else:
         target = torch.ops.autoopt_blocks.int4_linear.default
         args = (x, attrs["panels"], weight.group, bias, weight.out)
@@ -236,6 +273,7 @@ _LIB = torch.library.Library("autoopt_blocks", "FRAGMENT")
 _LIB.define("int8_linear(Tensor x, Tensor panels, Tensor scales, Tensor? bias, int out) "
             "-> Tensor")
 _LIB.define("int4_linear(Tensor x, Tensor panels, int group, Tensor? bias, int out) -> Tensor")
+_LIB.define("fp16_linear(Tensor x, Tensor panels, Tensor? bias, int out) -> Tensor")
 
 
 @torch.library.register_fake("autoopt_blocks::int8_linear")
@@ -247,4 +285,10 @@ def _int8_fake(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor,
 @torch.library.register_fake("autoopt_blocks::int4_linear")
 def _int4_fake(x: torch.Tensor, panels: torch.Tensor, group: int,
                bias: torch.Tensor | None, out: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out))
+
+
+@torch.library.register_fake("autoopt_blocks::fp16_linear")
+def _fp16_fake(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+               out: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out))

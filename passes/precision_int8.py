@@ -77,9 +77,10 @@ KERNEL_NAMES = {"int8": "int8 dynamic (int8 activations)",
                 "int8_weight": "int8 weight-only (bf16 activations)",
                 "int4": "int4 weight-only (bf16 activations)",
                 "int8_blocks": "int8 x int8 in blocks of 32 (autoopt's VNNI kernel)",
-                "int4_blocks": "int4 x int8 in blocks of 32 (autoopt's VNNI kernel)"}
-# autoopt's own kernels (``block_kernels``), in llama.cpp's manner.
-BLOCKS = ("int8_blocks", "int4_blocks")
+                "int4_blocks": "int4 x int8 in blocks of 32 (autoopt's VNNI kernel)",
+                "fp16_panels": "fp16 weight-only (autoopt's AVX-512 kernel, fp32 activations)"}
+# autoopt's own kernels (``block_kernels``): int8 and int4 in llama.cpp's manner, fp16 weights.
+BLOCKS = ("int8_blocks", "int4_blocks", "fp16_panels")
 # The dynamic kernels (int8 activations quantized per call): each packs for its engine.
 DYNAMIC = ("int8", "int8_fbgemm")
 # bf16 as weights alone (the precision pass's ``weight_only`` option, which ``optimize`` sets
@@ -102,7 +103,8 @@ def weight_only_bf16(precision: Any, options: Any) -> bool:
 
 def kernel_set(precision: str, options: Any) -> tuple[str, ...]:
     """The kernels ``precision`` measures for a linear, in the order an unmeasured one takes."""
-    return (FP16_WEIGHT,) if weight_only_bf16(precision, options) else KERNELS[precision]
+    return (FP16_WEIGHT, "fp16_panels") if weight_only_bf16(precision, options) \
+        else KERNELS[precision]
 
 
 def is_linear(node: Node) -> bool:
@@ -128,7 +130,9 @@ def kernels_for(gm: GraphModule, node: Node, precision: str, options: Any) -> tu
             "int4": lambda: weight_only.int4_fits(weight, group),
             "int8_blocks": lambda: block_kernels.fits(weight) and _blocks_here(),
             "int4_blocks": lambda: block_kernels.fits(weight, group) and _blocks_here(),
-            FP16_WEIGHT: lambda: fbgemm_engine() is not None and fits_fp16(weight)}
+            FP16_WEIGHT: lambda: fbgemm_engine() is not None and fits_fp16(weight),
+            "fp16_panels": lambda: (block_kernels.fits_fp16(weight) and fits_fp16(weight)
+                                    and _blocks_here())}
     wanted = options.get("kernel")
     return tuple(k for k in kernel_set(precision, options) if wanted in (None, k) and fits[k]())
 
@@ -215,6 +219,8 @@ def why_no_candidate(gm: GraphModule, precision: str, options: Any) -> str:
 
 
 def _widths_needed(kernel: str, group: int) -> str:
+    if kernel == "fp16_panels":
+        return "an input width that is a multiple of 4"
     if kernel in BLOCKS:
         return block_kernels.widths_needed(group if kernel == "int4_blocks" else 1)
     return weight_only.widths_needed(kernel, group)
@@ -313,7 +319,8 @@ def slower_than_fp32(gm: GraphModule, ctx: Any, nodes: Iterable[Node]) -> dict[s
         "int4_blocks": lambda w, b, rowwise: _block_call(block_kernels.pack_int4(w, group), b),
         "int8": lambda w, b, rowwise: int8_linear(w, b, rowwise),
         "int8_fbgemm": lambda w, b, rowwise: int8_linear(w, b, rowwise, _fbgemm_engine()),
-        FP16_WEIGHT: lambda w, b, rowwise: fp16_linear(w, b)}
+        FP16_WEIGHT: lambda w, b, rowwise: fp16_linear(w, b),
+        "fp16_panels": lambda w, b, rowwise: _block_call(block_kernels.pack_fp16(w), b)}
     own = kernel_set(precision, ctx.options)
     share = {"int8": 0.25, "int4": 0.125}.get(precision, 0.5)  # weight bytes over fp32's
     measured: dict[str, Any] = {}
@@ -499,6 +506,8 @@ def _packed_for(gm: Any, node: Node, packed: dict[Any, Any], kernel: str = "int8
             packed[key] = block_kernels.pack_int8(weight)
         elif kernel == "int4_blocks":
             packed[key] = block_kernels.pack_int4(weight, group)
+        elif kernel == "fp16_panels":
+            packed[key] = block_kernels.pack_fp16(weight)
         else:
             bias = attr(gm, bias_node) if bias_node is not None and not _rowwise(node) \
                 else None

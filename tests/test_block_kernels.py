@@ -21,7 +21,8 @@ from .test_weight_only import _llama, _Picks, _targets
 WHY = block_kernels.unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"the block kernels need {WHY}")
 
-PACK = {"int8_blocks": block_kernels.pack_int8, "int4_blocks": block_kernels.pack_int4}
+PACK = {"int8_blocks": block_kernels.pack_int8, "int4_blocks": block_kernels.pack_int4,
+        "fp16_panels": block_kernels.pack_fp16}
 
 
 def _rounding(reference: torch.Tensor, width: int) -> float:
@@ -44,7 +45,7 @@ def test_each_kernel_equals_its_dequantized_reference(kernel: str, out: int, wid
     dequantized = block_kernels.dequantized(weight, kernel)
     for b in (None, bias):
         got = block_kernels.linear(x, packed, b)
-        want = block_kernels.reference(x, dequantized, b)
+        want = block_kernels.reference(x, dequantized, b, kernel)
         assert got.shape == (*leading, out) and got.dtype == torch.float32
         torch.testing.assert_close(got, want, rtol=0, atol=_rounding(want, width))
 
@@ -109,25 +110,27 @@ def _mlp() -> tuple[torch.nn.Module, torch.Tensor]:
     return model, torch.randn(4, 64)
 
 
-@pytest.mark.parametrize(("precision", "kernel"), [("int8", "int8_blocks"),
-                                                    ("int4", "int4_blocks")])
+@pytest.mark.parametrize(("precision", "kernel", "op"), [
+    ("int8", "int8_blocks", "int8_linear"), ("int4", "int4_blocks", "int4_linear"),
+    ("bf16", "fp16_panels", "fp16_linear")])
 def test_the_pass_takes_the_kernel_only_where_it_measures_faster_than_fp32(
-        precision: str, kernel: str) -> None:
+        precision: str, kernel: str, op: str) -> None:
     """Measured per shape beside fp32's kernels and the precision's others: the linear whose
-    measurement it wins runs on it; the one where fp32 wins stays fp32."""
+    measurement it wins runs on it; the one where fp32 wins stays fp32. (bf16: as fp16
+    weights, where the CPU has no fast bf16 GEMM.)"""
     model, x = _mlp()
     with torch.no_grad():
         gm = capture.export_graph(model, (x,), {})
     cost = _Picks({96: kernel, 32: "aten", 48: kernel})
     result = cast_precision(gm, PassContext((x,), cost=cost, options={
-        "precision": precision, "tolerance": 0.9}))
+        "precision": precision, "tolerance": 0.9, "weight_only": precision == "bf16"}))
     assert all(kernel in names for _, names in cost.asked)
     summary = result.graph_module.meta["precision"]
     assert summary.kernels == ((kernel, 2),)
     assert [k.why.startswith(f"{precision} measured slower than fp32") for k in summary.kept] \
         == [True]
-    op = getattr(torch.ops.autoopt_blocks, f"{precision}_linear").default
-    assert _targets(result.graph_module).count(op) == 2
+    assert _targets(result.graph_module).count(getattr(torch.ops.autoopt_blocks, op).default) \
+        == 2
     result.graph_module.recompile()
     with torch.no_grad():
         got, expected = result.graph_module(x), model(x)
