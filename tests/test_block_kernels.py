@@ -158,3 +158,17 @@ def test_a_decoder_generates_on_the_kernel_through_each_backend(backend: str) ->
             if summary is not None:
                 kernels.update(dict(summary.kernels))
     assert set(kernels) == {"int4_blocks"}
+
+
+def test_engines_that_read_onnx_say_they_cannot_before_exporting() -> None:
+    """A graph running one of these kernels has no ONNX translation: ONNX Runtime (and
+    OpenVINO) are skipped with that reason, not built through an export that fails."""
+    model, x = _mlp()
+    fast = autoopt.optimize(model, (x,), precision="int4", backends=("aten", "onnxruntime"),
+                            pass_options={"precision": {"kernel": "int4_blocks", "force": True}})
+    (choice,) = fast.report.backends
+    assert choice.chosen == "aten"
+    assert "int4_linear" in choice.skipped["onnxruntime"]
+    assert "no translation" in choice.skipped["onnxruntime"]
+    with torch.no_grad():
+        assert (fast(x) - model(x)).abs().max() <= 0.9 * max(1.0, float(model(x).abs().max()))

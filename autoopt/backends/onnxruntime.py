@@ -255,7 +255,7 @@ class OnnxRuntime(Backend):
             "the graph writes its inputs in place (a KV cache); an ONNX graph returns new "
             "values and cannot" if written_placeholders(source) else
             f"no ONNX Runtime provider for {device.type}" if device.type not in _PROVIDERS
-            else unsupported_dtypes(source, device))
+            else unsupported_dtypes(source, device) or onnx_graph.untranslatable(source))
         if graph.config.calibration is not None:
             return why or _static_int8(graph)
         if why:

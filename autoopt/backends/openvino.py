@@ -185,7 +185,7 @@ def unsupported(gm: GraphModule, device: torch.device, gradients: bool, position
                 "returns new values and cannot" if writes_inputs else "")
             or (f"OpenVINO's CPU plugin only here (the model is on {device.type})"
                 if device.type != "cpu" else "")
-            or _dtypes(gm))
+            or _dtypes(gm) or onnx_graph.untranslatable(gm))
 
 
 def _dtypes(gm: GraphModule) -> str:

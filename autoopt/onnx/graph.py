@@ -67,6 +67,27 @@ class Exports:
         self.close()
 
 
+# Ops a CPU kernel computes that ONNX has no translation for: autoopt's own (``autoopt_blocks``)
+# and ATen's weight-only int8/int4 products. Exporting a graph that holds one fails after the
+# export's whole trace (10 s on GPT-2's int4 forward): the engines that read ONNX say so first.
+_UNTRANSLATABLE_NAMESPACES = ("autoopt_blocks",)
+_UNTRANSLATABLE = frozenset(getattr(torch.ops.aten, name).default for name in (
+    "_weight_int8pack_mm", "_weight_int4pack_mm", "_weight_int4pack_mm_for_cpu")
+    if hasattr(torch.ops.aten, name))
+
+
+def untranslatable(gm: GraphModule) -> str:
+    """Why ``gm`` cannot be exported to ONNX for its ops, or ''."""
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if target in _UNTRANSLATABLE or target.namespace in _UNTRANSLATABLE_NAMESPACES:
+            return (f"the graph runs {target.name()} (a CPU kernel of precision=), which ONNX "
+                    f"has no translation for")
+    return ""
+
+
 def opened(gm: GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
            input_names: list[str], output_names: list[str], device: torch.device,
            expected: Any, open_file: Callable[[Path], Opened], runtime: str,
