@@ -344,8 +344,13 @@ def slower_than_fp32(gm: GraphModule, ctx: Any, nodes: Iterable[Node]) -> dict[s
                 node.meta[KERNEL] = best
                 continue
             mine = min((k for k in seconds if k in own), key=seconds.__getitem__)
+            # Every kernel of the precision tried, so that a refusal names them all.
+            others = ", ".join(f"{k} {seconds[k] * 1e6:.0f} us" for k in own
+                               if k in seconds and k != mine)
             slow[node.name] = (f"{slower(precision)}{seconds[mine] * 1e6:.0f} us against "
-                               f"{seconds[best] * 1e6:.0f} us ({best.removesuffix('_packed')})")
+                               f"{seconds[best] * 1e6:.0f} us ({best.removesuffix('_packed')})"
+                               + (f"; its fastest kernel {mine}, also tried: {others}"
+                                  if others else ""))
     return slow
 
 

@@ -14,11 +14,13 @@ needed and nothing is computed per call but the product:
   ``w ≈ (q - 8) * scale + zero`` with ``q`` in 0..15.
 
 The kernels are ATen's (``torch.ops.aten._weight_int8pack_mm``,
-``_weight_int4pack_mm_for_cpu``). They read the packed weight once and dequantize in
-registers, but only with bf16 activations: with fp32 ones they take a scalar path (measured on
-an AVX-512 Xeon, 768 x 768 at one row, 1 thread: int8 1.4 ms in fp32 against 0.10 ms in bf16,
-int4 2.4 ms against 0.09 ms; fp32's own linear 0.18 ms). So the input is rounded to bf16 and
-the product returned in fp32: one bf16 rounding of each (relative 2^-9), well under the
+``_weight_int4pack_mm_for_cpu``); autoopt's own (``block_kernels``: the same codes with int8
+activations per block, VNNI dot products) are the other candidates for the same weights.
+ATen's read the packed weight once and dequantize in registers, but only with bf16
+activations: with fp32 ones they take a scalar path (measured on an AVX-512 Xeon, 768 x 768
+at one row, 1 thread: int8 1.4 ms in fp32 against 0.10 ms in bf16, int4 2.4 ms against 0.09
+ms; fp32's own linear 0.18 ms). So the input is rounded to bf16 and the product returned in
+fp32: one bf16 rounding of each (relative 2^-9), well under the
 weights' own rounding. Scales and zeros are stored in bf16 too, and the dequantized reference
 (``dequantize_int8``/``dequantize_int4``) uses the same rounded values.
 
