@@ -26,9 +26,13 @@
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 
 static bool supported() {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    // Asked once: every call checks it.
+    static const bool here = [] {
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    }();
+    return here;
 }
 
 /* x: rows m of k fp32 (row stride ldx). xq: int8 codes, xs: scale of each block, xsum: the
@@ -98,9 +102,8 @@ TARGET static void gemm_int8(const int8_t *xq, const float *xs, const float *xsu
                                              _mm512_set1_epi32(a[b * 8 + j + 1]));
                 }
                 /* The weights were shifted by 128: subtract 128 * the block's code sum. */
-                __m512 dot = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f * suma[b]),
-                                              _mm512_set1_ps(1.0f),
-                                              _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)));
+                __m512 dot = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)),
+                                           _mm512_set1_ps(128.0f * suma[b]));
                 acc = _mm512_fmadd_ps(dot, _mm512_set1_ps(sa[b]), acc);
             }
             store_rows(y + r * ldy, _mm512_mul_ps(acc, scale), bias, p * 16, n_out);

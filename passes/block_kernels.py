@@ -15,15 +15,16 @@ read the weights at ~11-14 GB/s there (the machine streams 15.7). They are candi
 other kernel: ``precision_int8.slower_than_fp32`` measures them per shape beside fp32's and
 the others, and keeps the fastest.
 
-The C source is compiled on first use with the system's C compiler (``cc``, under 1 s) into
-autoopt's cache folder, keyed by the source's hash; where there is no compiler, no x86-64 CPU
-with AVX-512 VNNI, or the build fails, ``unavailable()`` says why and the kernels are not
-candidates. The ops are registered with ``torch.library`` (a fake kernel for shapes), so
-graphs, Inductor and ``torch.export`` carry them as any ATen op.
+The C++ source is compiled on first use as a torch C++ extension (~20 s, once) into autoopt's
+cache folder, keyed by the source's hash, torch's version and the flags; where there is no
+compiler or ninja, no x86-64 CPU with AVX-512 VNNI, or the build fails, ``unavailable()`` says
+why and the kernels are not candidates. The ops' schemas and shapes are registered here with
+``torch.library`` (the CPU kernels when the extension loads), so graphs, Inductor and
+``torch.export`` carry them as any ATen op.
 
-Reference: ``reference(x, dequantized_weight, bias, kernel)``, the product of the dequantized weight
-with the activations quantized per block as the kernel quantizes them, in fp32: the kernels
-equal it up to the order of fp32 sums.
+Reference: ``reference(x, dequantized_weight, bias, kernel)``, the product of the dequantized
+weight with the activations quantized per block as the kernel quantizes them, in fp32: the
+kernels equal it up to the order of fp32 sums.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -64,6 +66,15 @@ class BlockInt8Weight:
     scales: torch.Tensor
     out: int
 
+    def tensors(self) -> dict[str, Any]:
+        return {"panels": self.panels, "scales": self.scales}
+
+    def call(self, held: dict[str, Any], x: Any, bias: Any) -> tuple[Any, tuple[Any, ...]]:
+        """The op and its arguments, the weight's tensors read from ``held`` (the tensors
+        themselves, or a graph's nodes for them)."""
+        return (torch.ops.autoopt_blocks.int8_linear.default,
+                (x, held["panels"], held["scales"], bias, self.out))
+
 
 @dataclass(frozen=True)
 class BlockInt4Weight:
@@ -75,6 +86,13 @@ class BlockInt4Weight:
     group: int
     out: int
 
+    def tensors(self) -> dict[str, Any]:
+        return {"panels": self.panels}  # the scales and zeros are inside
+
+    def call(self, held: dict[str, Any], x: Any, bias: Any) -> tuple[Any, tuple[Any, ...]]:
+        return (torch.ops.autoopt_blocks.int4_linear.default,
+                (x, held["panels"], self.group, bias, self.out))
+
 
 @dataclass(frozen=True)
 class Fp16PanelWeight:
@@ -84,6 +102,12 @@ class Fp16PanelWeight:
 
     panels: torch.Tensor
     out: int
+
+    def tensors(self) -> dict[str, Any]:
+        return {"panels": self.panels}
+
+    def call(self, held: dict[str, Any], x: Any, bias: Any) -> tuple[Any, tuple[Any, ...]]:
+        return torch.ops.autoopt_blocks.fp16_linear.default, (x, held["panels"], bias, self.out)
 
 
 BlockWeight = BlockInt8Weight | BlockInt4Weight | Fp16PanelWeight
@@ -148,6 +172,14 @@ def fits_fp16(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and weight.shape[1] % 4 == 0
 
 
+def pack(kernel: str, weight: torch.Tensor, group: int = weight_only.DEFAULT_GROUP,
+         ) -> BlockWeight:
+    """``weight`` packed for ``kernel`` (``int8_blocks``, ``int4_blocks``, ``fp16_panels``)."""
+    if kernel == "int4_blocks":
+        return pack_int4(weight, group)
+    return pack_int8(weight) if kernel == "int8_blocks" else pack_fp16(weight)
+
+
 def dequantized(weight: torch.Tensor, kernel: str, group: int = weight_only.DEFAULT_GROUP,
                 ) -> torch.Tensor:
     """The fp32 ``(out, in)`` weight ``kernel`` (``int8_blocks``, ``int4_blocks``,
@@ -181,9 +213,7 @@ def reference(x: torch.Tensor, dequantized_weight: torch.Tensor, bias: torch.Ten
 
 def tensors(weight: BlockWeight) -> dict[str, torch.Tensor]:
     """The tensors a graph holds for ``weight``, by a suffix for their attribute names."""
-    if isinstance(weight, BlockInt8Weight):
-        return {"panels": weight.panels, "scales": weight.scales}
-    return {"panels": weight.panels}  # int4's scales and zeros are inside, fp16 has none
+    return weight.tensors()
 
 
 def linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -191,42 +221,31 @@ def linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None) -> t
     why = unavailable()
     if why is not None:
         raise RuntimeError(f"autoopt's block kernels need {why}")
-    if isinstance(weight, BlockInt8Weight):
-        return torch.ops.autoopt_blocks.int8_linear(x, weight.panels, weight.scales, bias,
-                                                    weight.out)
-    if isinstance(weight, Fp16PanelWeight):
-        return torch.ops.autoopt_blocks.fp16_linear(x, weight.panels, bias, weight.out)
-    return torch.ops.autoopt_blocks.int4_linear(x, weight.panels, weight.group, bias,
-                                                weight.out)
+    op, args = weight.call(weight.tensors(), x, bias)
+    return op(*args)
 
 
 def emit(gm: torch.fx.GraphModule, node: torch.fx.Node, x: torch.fx.Node, weight: BlockWeight,
          attrs: dict[str, torch.fx.Node], bias: torch.fx.Node | None) -> torch.fx.Node:
     """The op's node before ``node`` (whose input is ``x``), reading the weight's tensors from
     the ``get_attr`` nodes ``attrs`` (``tensors(weight)``'s keys)."""
-    if isinstance(weight, BlockInt8Weight):
-        target = torch.ops.autoopt_blocks.int8_linear.default
-        args = (x, attrs["panels"], attrs["scales"], bias, weight.out)
-    elif isinstance(weight, Fp16PanelWeight):
-        target = torch.ops.autoopt_blocks.fp16_linear.default
-        args = (x, attrs["panels"], bias, weight.out)
-    else:
-        target = torch.ops.autoopt_blocks.int4_linear.default
-        args = (x, attrs["panels"], weight.group, bias, weight.out)
-    new = gm.graph.call_function(target, args)
+    new = gm.graph.call_function(*weight.call(attrs, x, bias))
     new.meta["val"] = node.meta.get("val")
     return new
 
 
 # --- the library -----------------------------------------------------------------------------
 
+@functools.cache
 def unavailable() -> str | None:
     """Why the kernels cannot run here (what they need), or None where they can; builds the
-    extension on the first call in a machine's life (~25 s, then loaded from the cache)."""
-    return _loaded()
+    extension on the first call in a machine's life (~20 s, then loaded from the cache)."""
+    why = _loaded()
+    if why is not None:
+        log.info("block kernels: not candidates here: they need %s", why)
+    return why
 
 
-@functools.cache
 def _loaded() -> str | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"an x86-64 CPU with AVX-512 VNNI (this is {platform.machine()})"
@@ -235,7 +254,7 @@ def _loaded() -> str | None:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         return "a C++ compiler (c++ or g++ on PATH) to build them"
-    if not _vnni():
+    if not (torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported()):
         return "a CPU with AVX-512 VNNI (this one has none)"
     quiet = logging.getLogger("torch.utils.cpp_extension")  # its import warns of CUDA_HOME
     level = quiet.level
@@ -250,7 +269,7 @@ def _loaded() -> str | None:
     key = hashlib.sha256(source + repr((torch.__version__, _FLAGS)).encode()).hexdigest()[:12]
     folder = default_cache_dir() / "kernels" / key
     folder.mkdir(parents=True, exist_ok=True)
-    # The line optimize's progress shows while it builds (the first time: ~25 s).
+    # The line optimize's progress shows while it builds (the first time: ~20 s).
     log.info("block kernels: compiling autoopt's int8/int4 kernels (once on this machine)")
     try:
         cpp_extension.load(f"autoopt_block_gemm_{key}", [str(_SOURCE)], extra_cflags=_FLAGS,
@@ -260,15 +279,6 @@ def _loaded() -> str | None:
         text = " ".join(str(exc).split())
         return f"their C++ source to build ({text[:300]})"
     return None if torch.ops.autoopt_blocks.supported() else "a CPU with AVX-512 VNNI"
-
-
-def _vnni() -> bool:
-    """AVX-512 VNNI as the kernel needs it (with F, BW, VL), from the CPU's flags."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split("\nflags", 2)[1].split("\n")[0].split()
-    except (OSError, IndexError):
-        return False
-    return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= set(flags)
 
 
 # The schemas (the CPU kernels are block_gemm.cpp's, registered when it loads) and the shapes

@@ -28,7 +28,6 @@ the ``kernel`` option of the precision pass names one for every linear.
 from __future__ import annotations
 
 import contextlib
-import logging
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -41,7 +40,6 @@ from .graph import attr, fresh_name, meta_val
 from .packed_kernels import fbgemm_engine, fits_fp16, pack_fp16, quantized_engine
 
 aten = torch.ops.aten
-log = logging.getLogger(__name__)
 
 # oneDNN's int8 kernels use VNNI/AMX where the CPU has them (about 2x faster than the x86
 # engine's FBGEMM at BERT-base shapes on Sapphire Rapids); the others are fallbacks.
@@ -138,10 +136,7 @@ def kernels_for(gm: GraphModule, node: Node, precision: str, options: Any) -> tu
 
 
 def _blocks_here() -> bool:
-    why = block_kernels.unavailable()
-    if why is not None:
-        log.info("precision: autoopt's block kernels are not candidates: they need %s", why)
-    return why is None
+    return block_kernels.unavailable() is None  # why not: logged once, where it is found
 
 
 def group_size(options: Any) -> int:
@@ -315,12 +310,11 @@ def slower_than_fp32(gm: GraphModule, ctx: Any, nodes: Iterable[Node]) -> dict[s
     makes: dict[str, Callable[..., Any]] = {
         "int8_weight": lambda w, b, rowwise: _weight_only_call(weight_only.quantize_int8(w), b),
         "int4": lambda w, b, rowwise: _weight_only_call(weight_only.quantize_int4(w, group), b),
-        "int8_blocks": lambda w, b, rowwise: _block_call(block_kernels.pack_int8(w), b),
-        "int4_blocks": lambda w, b, rowwise: _block_call(block_kernels.pack_int4(w, group), b),
+        **{k: lambda w, b, rowwise, k=k: _block_call(block_kernels.pack(k, w, group), b)
+           for k in BLOCKS},
         "int8": lambda w, b, rowwise: int8_linear(w, b, rowwise),
         "int8_fbgemm": lambda w, b, rowwise: int8_linear(w, b, rowwise, _fbgemm_engine()),
-        FP16_WEIGHT: lambda w, b, rowwise: fp16_linear(w, b),
-        "fp16_panels": lambda w, b, rowwise: _block_call(block_kernels.pack_fp16(w), b)}
+        FP16_WEIGHT: lambda w, b, rowwise: fp16_linear(w, b)}
     own = kernel_set(precision, ctx.options)
     share = {"int8": 0.25, "int4": 0.125}.get(precision, 0.5)  # weight bytes over fp32's
     measured: dict[str, Any] = {}
@@ -507,12 +501,8 @@ def _packed_for(gm: Any, node: Node, packed: dict[Any, Any], kernel: str = "int8
             packed[key] = weight_only.quantize_int8(weight)
         elif kernel == "int4":
             packed[key] = weight_only.quantize_int4(weight, group)
-        elif kernel == "int8_blocks":
-            packed[key] = block_kernels.pack_int8(weight)
-        elif kernel == "int4_blocks":
-            packed[key] = block_kernels.pack_int4(weight, group)
-        elif kernel == "fp16_panels":
-            packed[key] = block_kernels.pack_fp16(weight)
+        elif kernel in BLOCKS:
+            packed[key] = block_kernels.pack(kernel, weight, group)
         else:
             bias = attr(gm, bias_node) if bias_node is not None and not _rowwise(node) \
                 else None
