@@ -186,3 +186,24 @@ def test_a_precision_with_no_faster_kernel_names_every_kernel_tried() -> None:
     assert result.note.startswith("int4 measured slower than fp32 on each of the 3 linear(s) "
                                   "(the first: 200 us against 100 us (aten); its fastest "
                                   "kernel int4, also tried: int4_blocks 200 us)")
+
+
+@pytest.mark.parametrize(("patch", "says"), [
+    ("machine", "an x86-64 CPU with AVX-512 VNNI (this is aarch64)"),
+    ("compiler", "a C++ compiler (c++ or g++ on PATH) to build them"),
+    ("cpu", "a CPU with AVX-512 VNNI (this one has none)")])
+def test_where_they_cannot_run_the_reason_names_what_is_missing(
+        monkeypatch: pytest.MonkeyPatch, patch: str, says: str) -> None:
+    """Each reason the kernels are not candidates, as the log and the tests' skips say it
+    (found before anything is built)."""
+    import platform
+    import shutil
+
+    if patch == "machine":
+        monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    elif patch == "compiler":
+        monkeypatch.delenv("CXX", raising=False)
+        monkeypatch.setattr(shutil, "which", lambda name: None)
+    else:
+        monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
+    assert block_kernels._loaded() == says
