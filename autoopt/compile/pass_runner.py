@@ -19,7 +19,12 @@ from autoopt.check.report import PassRecord
 from autoopt.errors import first_line
 from autoopt.observe import memory_profile
 from autoopt.passes import LOWERING, PassContext, PassFn
-from autoopt.passes.graph import FULL_PRECISION, copy_graph_module, drop_unread_constants
+from autoopt.passes.graph import (
+    FULL_PRECISION,
+    copy_graph_module,
+    drop_unread_constants,
+    realized,
+)
 from autoopt.passes.merge_linear import as_concatenations, concatenations, fold_concatenations
 
 log = logging.getLogger(__name__)
@@ -81,7 +86,7 @@ def _run(gm: GraphModule, passes: Sequence[tuple[str, PassFn]], ctx: PassContext
             continue
         log.info("pass %s", name)  # the CLI's progress line shows these
         start = time.perf_counter()
-        candidate = copy_graph_module(current)
+        candidate = copy_graph_module(current, lazy=True)
         options = ctx.options.get(name, {}) if isinstance(ctx.options, dict) else {}
         pass_ctx = PassContext(ctx.example_inputs, ctx.device, ctx.training, ctx.cost, options)
         try:
@@ -124,8 +129,10 @@ def _run(gm: GraphModule, passes: Sequence[tuple[str, PassFn]], ctx: PassContext
             fold_concatenations(current.meta["portable"], folded)
         memory_profile.release_free_memory()
     if before_precision is not None and current is not before_precision:
-        current.meta[FULL_PRECISION] = before_precision
-    return current, records
+        current.meta[FULL_PRECISION] = realized(before_precision)
+    if "portable" in current.meta:
+        realized(current.meta["portable"])
+    return realized(current), records
 
 
 def _staged(check: Check) -> Check:
