@@ -2,7 +2,9 @@
 quantized to int8 per block of 32 input features at each call, int8 x int8 (int4 x int8) dot
 products with AVX-512 VNNI, one fp32 scale step per block (``block_gemm.cpp``). Beside them,
 fp16 weights with fp32 activations (``fp16_panels``), for ``precision="bf16"`` on a CPU
-without a fast bf16 GEMM, in the same panels.
+without a fast bf16 GEMM, in the same panels; and an fp32 GEMV on the weight as the model holds
+it (``fp32_linear``, ``packed_kernels``' ``fp32_rows``: fp32 decode steps), measured beside
+MKL's and oneDNN's.
 
     x ─ linear(W, b) ─ y   ⟶   x ─ autoopt_blocks.int8_linear(panels(q8 + 128), s, b) ─ y
     x ─ linear(W, b) ─ y   ⟶   x ─ autoopt_blocks.int4_linear(panels(q4 | s | z), b) ─ y
@@ -288,6 +290,7 @@ _LIB.define("int8_linear(Tensor x, Tensor panels, Tensor scales, Tensor? bias, i
             "-> Tensor")
 _LIB.define("int4_linear(Tensor x, Tensor panels, int group, Tensor? bias, int out) -> Tensor")
 _LIB.define("fp16_linear(Tensor x, Tensor panels, Tensor? bias, int out) -> Tensor")
+_LIB.define("fp32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 
 @torch.library.register_fake("autoopt_blocks::int8_linear")
@@ -306,3 +309,8 @@ def _int4_fake(x: torch.Tensor, panels: torch.Tensor, group: int,
 def _fp16_fake(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
                out: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out))
+
+
+@torch.library.register_fake("autoopt_blocks::fp32_linear")
+def _fp32_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))

@@ -14,6 +14,7 @@ oneDNN's. It streams a decode step's weights at ~28 GB/s where oneDNN's bf16 GEM
 from __future__ import annotations
 
 import contextlib
+import platform
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,8 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-# The packed kernels, in the order ties and the unmeasured default prefer them.
-KERNELS = ("mkl", "onednn", "fbgemm_fp16")
+# The packed kernels, in the order ties and the unmeasured default prefer them. ``fp32_rows``
+# is autoopt's own GEMV (``block_kernels``) on the weight as it is, no copy: a candidate for
+# linears of a few rows (``ROWS_KERNEL_MAX``), a decode step's.
+KERNELS = ("mkl", "onednn", "fbgemm_fp16", "fp32_rows")
+ROWS_KERNEL_MAX = 4
 # Kernels that run on their packed copy alone (a weight a pass made is not kept beside it).
 _PACKED_ONLY = ("onednn", "fbgemm_fp16")
 # The largest magnitude fp16 holds: a weight beyond it is not packed for ``fbgemm_fp16``.
@@ -80,6 +84,8 @@ class PackedLinear:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         if self.kernel == "fbgemm_fp16":
             return _fp16_linear(x, self.packed, bias)
+        if self.kernel == "fp32_rows":
+            return torch.ops.autoopt_blocks.fp32_linear(x, self.packed, bias)
         threads = torch.get_num_threads()
         if threads != self.threads:
             # MKL packs for the thread count of the moment: a weight packed at 1 thread runs on
@@ -94,6 +100,12 @@ class PackedLinear:
         dropped (none where it cannot be packed again: a pass's weight with no source)."""
         if self.packed is None or (self.weight.is_meta and self.source is None):
             return 0
+        if self.kernel == "fp32_rows":
+            if self.source is None:
+                return 0  # the weight itself: nothing of ours to drop
+            dropped = self.weight.nbytes  # a merged weight, concatenated again on restore
+            self.packed, self.weight = None, self.weight.to("meta")
+            return dropped
         dropped = self.weight.nbytes
         self.packed = None
         if self.source is not None and not self.weight.is_meta:
@@ -121,6 +133,8 @@ class PackedLinear:
                                   else _identity(self.source, weight))
         if self.kernel == "fbgemm_fp16":
             return pack_fp16(weight)
+        if self.kernel == "fp32_rows":
+            return weight.contiguous()  # the weight itself (``rows_kernel_fits``)
         return torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), self.rows)
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -255,6 +269,8 @@ def kernels(device: torch.device) -> tuple[str, ...]:
                    and hasattr(torch.ops.mkldnn, "_linear_pointwise")),
         "fbgemm_fp16": (fbgemm_engine() is not None
                         and hasattr(torch.ops.quantized, "linear_prepack_fp16")),
+        # Built on first use: asked by ``rows_kernel_fits``, for a linear it may serve.
+        "fp32_rows": platform.machine().lower() in ("x86_64", "amd64"),
     }
     return tuple(k for k in KERNELS if found[k])
 
@@ -264,11 +280,22 @@ def kernels_for(dtype: torch.dtype) -> tuple[str, ...]:
     where this build and CPU run oneDNN in bf16 (elsewhere oneDNN refuses it); FBGEMM's fp16
     GEMM bf16 only (its fp16 weight would round an fp32 one)."""
     if dtype == torch.float32:
-        return ("mkl", "onednn")
+        return ("mkl", "onednn", "fp32_rows")
     if dtype == torch.bfloat16:
         return (("onednn",) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ()) + (
             "fbgemm_fp16",)
     return ()
+
+
+def rows_kernel_fits(weight: torch.Tensor, rows: int) -> bool:
+    """Whether ``fp32_rows`` serves a linear: a few rows of fp32 activations, a contiguous
+    ``(out, in)`` fp32 weight (GPT-2's transposed ``Conv1D`` view is not: a copy would double
+    its bytes), and the kernels built on this machine (AVX-512, a compiler: see
+    ``block_kernels.unavailable``)."""
+    from . import block_kernels
+
+    return (rows <= ROWS_KERNEL_MAX and weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.is_contiguous() and block_kernels.unavailable() is None)
 
 
 def available(device: torch.device) -> bool:

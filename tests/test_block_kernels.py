@@ -50,6 +50,33 @@ def test_each_kernel_equals_its_dequantized_reference(kernel: str, out: int, wid
         torch.testing.assert_close(got, want, rtol=0, atol=_rounding(want, width))
 
 
+@pytest.mark.parametrize(("out", "width", "rows"), [
+    (8, 16, 1), (1280, 768, 1), (37, 45, 2), (100, 2048, 4), (5, 7, 3), (16, 32, 0)])
+def test_the_fp32_gemv_equals_the_linear(out: int, width: int, rows: int) -> None:
+    """autoopt's fp32 GEMV (``packed_kernels``' ``fp32_rows``: the weight as the model holds
+    it, 8 rows of it at a time): any width (a tail of fewer than 16 features, masked), any
+    output count (a last strip of fewer than 8 rows), with and without a bias, at 1 and 2
+    threads alike (each output row is one thread's sum)."""
+    torch.manual_seed(out + width + rows)
+    weight, x, bias = torch.randn(out, width), torch.randn(rows, width), torch.randn(out)
+    op = torch.ops.autoopt_blocks.fp32_linear
+    threads = torch.get_num_threads()
+    for b in (None, bias):
+        want = torch.nn.functional.linear(x.double(), weight.double(),
+                                          None if b is None else b.double()).float()
+        try:
+            torch.set_num_threads(1)
+            one = op(x, weight, b)
+            torch.set_num_threads(2)
+            two = op(x, weight, b)
+        finally:
+            torch.set_num_threads(threads)
+        assert one.shape == (rows, out) and torch.equal(one, two)
+        torch.testing.assert_close(one, want, rtol=0, atol=_rounding(want, width))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(x, weight.t().contiguous().t(), None)  # Conv1D's transposed view: not taken
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_groups_and_the_activation_blocks(group: int) -> None:
     """A group of 64 or 128 features holds two or four activation blocks: each block takes

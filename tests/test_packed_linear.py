@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import gc
 import importlib
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,12 @@ from torch.fx import GraphModule
 import autoopt
 from autoopt.capture.graph import export_graph
 from autoopt.cost_model import CostCache, CostModel
-from autoopt.passes import PassContext, packed_linear
+from autoopt.passes import PassContext, block_kernels, packed_linear
 from autoopt.passes.graph import portable, release_packed, restore_packed
 from autoopt.passes.packed_kernels import (
     _SHARED,
     KERNELS,
+    ROWS_KERNEL_MAX,
     PackedLinear,
     available,
     kernels,
@@ -197,6 +199,7 @@ def test_the_cost_model_chooses_and_remembers(tmp_path: Path) -> None:
     choices = {k: v for k, v in cost.cache.items() if k.startswith("fastest|linear|")}
     assert len(choices) == 2  # two distinct shapes, each measured every way this build has
     every = {f"{k}_packed" for k in kernels(CPU) if k in kernels_for(torch.float32)} | {"aten"}
+    every.discard("fp32_rows_packed")  # ten rows: more than a decode step's
     assert all(set(v) == every for v in choices.values())
     assert counts.get("linear", 0) + counts.get("linear_kept_aten", 0) == 2
     assert counts.get("mkl", 0) + counts.get("onednn", 0) == counts.get("linear", 0)
@@ -251,9 +254,13 @@ def test_optimize_on_bert_uses_it_and_exports_take_the_portable_graph(tmp_path: 
 def test_packed_weights_are_dropped_and_packed_again_to_the_same_results(kernel: str) -> None:
     """While another backend is built and measured, the aten lowering's packed copies (and
     merged Q/K/V weights, concatenated again from the model's) are dropped; a call, or
-    ``restore_packed``, packs them again: the same results."""
+    ``restore_packed``, packs them again: the same results. autoopt's GEMV holds the model's
+    weight itself: only a merged one is dropped and made again."""
     if kernel not in kernels(CPU):
         pytest.skip(f"this PyTorch build has no {kernel} packed linear")
+    if kernel == "fp32_rows":
+        _rows_kernel_drops_only_merged_weights()
+        return
     model, ids = _small_bert()
     fast = autoopt.optimize(model, (ids,), backends=("aten",), pass_options={
         "packed_linear": {"measure": False, "kernel": kernel},
@@ -273,6 +280,33 @@ def test_packed_weights_are_dropped_and_packed_again_to_the_same_results(kernel:
         restore_packed(gm)
         assert all(k.packed is not None for k in packed)
         assert all(k.weight.is_meta == (kernel == "onednn") for k in merged)
+        assert torch.equal(fast(ids).last_hidden_state, expected)
+
+
+def _rows_kernel_drops_only_merged_weights() -> None:
+    if block_kernels.unavailable() is not None:
+        pytest.skip(f"autoopt's GEMV needs {block_kernels.unavailable()}")
+    model, ids = _small_bert()
+    ids = ids[:1, :1]  # one row per linear: a decode step's
+    fast = autoopt.optimize(model, (ids,), backends=("aten",), pass_options={
+        "packed_linear": {"measure": False, "kernel": "fp32_rows"},
+        "merge_linear": {"measure": False}})
+    gm = fast.specializations[0].graph
+    packed = _packed_calls(gm)
+    merged = [k for k in packed if k.source is not None]
+    assert {k.kernel for k in packed} == {"fp32_rows"} and len(merged) == 2
+    own = [k for k in packed if k.source is None]
+    assert all(k.packed is k.weight for k in own)  # the model's weight, no copy
+    with torch.no_grad():
+        expected = fast(ids).last_hidden_state
+        torch.testing.assert_close(expected, model(ids).last_hidden_state)
+        assert release_packed(gm) == sum(k.weight.numel() * 4 for k in merged)
+        assert all(k.weight.is_meta and k.packed is None for k in merged)
+        assert all(k.packed is not None for k in own)
+        assert torch.equal(fast(ids).last_hidden_state, expected)  # made again as called
+        release_packed(gm)
+        restore_packed(gm)
+        assert all(not k.weight.is_meta and k.packed is k.weight for k in merged)
         assert torch.equal(fast(ids).last_hidden_state, expected)
 
 
@@ -379,17 +413,26 @@ def _kernels_called(gm: GraphModule) -> list[str]:
     return [k.kernel for k in _packed_calls(gm)]
 
 
-@pytest.mark.parametrize("model_cls, shape", [(Before, (2, 5, 16)), (Conv1D, (3, 4, 16))])
-@pytest.mark.parametrize("choice", ["mkl_packed", "onednn_packed", "aten"])
+@pytest.mark.parametrize("model_cls, shape", [(Before, (2, 5, 16)), (Conv1D, (3, 4, 16)),
+                                              (Before, (1, 1, 16)), (Conv1D, (1, 16))])
+@pytest.mark.parametrize("choice", ["mkl_packed", "onednn_packed", "fp32_rows_packed", "aten"])
 def test_the_measured_choice_offers_every_kernel_and_the_graph_calls_the_chosen(
         choice: str, model_cls: type[nn.Module], shape: tuple[int, ...]) -> None:
+    """Each linear is offered ATen and every fp32 packed kernel; autoopt's GEMV only where it
+    may serve (a few rows: a decode step's; a weight in (out, in) order, not Conv1D's
+    transposed view; the kernels built here)."""
     if choice != "aten" and choice.removesuffix("_packed") not in kernels(CPU):
         pytest.skip(f"this PyTorch build has no {choice}")
     model = model_cls().eval()
     cost = Chooses(choice)
     gm, counts = _rewrite(model, torch.randn(shape), cost=cost)
     every = {f"{k}_packed" for k in kernels(CPU) if k in kernels_for(torch.float32)} | {"aten"}
+    if not (model_cls is Before and math.prod(shape[:-1]) <= ROWS_KERNEL_MAX
+            and block_kernels.unavailable() is None):
+        every.discard("fp32_rows_packed")
     assert cost.offered == [every, every]  # each linear: aten and every fp32 packed kernel
+    if choice not in every:
+        choice = "aten"
     if choice == "aten":
         assert counts == {"linear_kept_aten": 2} and _packed_calls(gm) == []
     else:
@@ -435,7 +478,7 @@ def test_without_mkl_the_choice_is_onednn_or_aten_and_the_default_rewrites_nothi
 
 
 def test_an_unknown_kernel_is_refused() -> None:
-    assert KERNELS == ("mkl", "onednn", "fbgemm_fp16")
+    assert KERNELS == ("mkl", "onednn", "fbgemm_fp16", "fp32_rows")
     with pytest.raises(ValueError, match="no kernel 'cublas'"):
         _rewrite(Before(), torch.randn(2, 5, 16), options={"kernel": "cublas"})
     with pytest.raises(ValueError, match="no kernel"):

@@ -81,6 +81,34 @@ def test_without_verification_a_wrong_pass_is_not_caught() -> None:
     torch.testing.assert_close(fast(x), -model(x))
 
 
+def _unchanging_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
+    return PassResult(gm, False)
+
+
+def test_only_the_graph_returned_has_its_code_generated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each pass works on a lazy copy: a pass that changes nothing, and a rewrite followed by
+    another pass's copy, cost no code generation; the graph the pipeline hands on has its
+    code, with the rewrite in it (exporters and Dynamo read it), and computes the rewrite."""
+    from autoopt.compile.pass_runner import run_pipeline
+    from autoopt.passes.graph import copy_graph_module
+
+    gm = autoopt.capture.export_graph(Small().eval(), (torch.randn(4, 8),), {})
+    generated: list[int] = []
+    real = GraphModule.recompile  # a lazy module's real one too (``_real_recompile``)
+    monkeypatch.setattr(GraphModule, "recompile",
+                        lambda self: generated.append(id(self)) or real(self))
+    passes = [("a", _unchanging_pass), ("flips_sign", sign_flipping_pass),
+              ("b", _unchanging_pass), ("c", _unchanging_pass)]
+    out, records = run_pipeline(gm, passes, PassContext(), check=None)
+    assert [r.status for r in records] == ["unchanged", "applied", "unchanged", "unchanged"]
+    assert generated == [id(out)]  # once, for the graph returned
+    assert "neg" in out.code
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(out(x), -gm(x))
+    copy = copy_graph_module(gm, lazy=True)
+    assert generated == [id(out)] and copy(x).equal(gm(x))  # a lazy copy runs when called
+
+
 class _Counting(nn.Module):
     """An eval-mode forward that counts its calls in a buffer and adds the count."""
 
