@@ -7,7 +7,7 @@ bench's random Llama-style model agreed with eager on 41% or on 18% of 256 steps
 group's range was taken from its extremes or searched for the least squared error). Here the
 model is a small Llama trained on a text Python ships (``pydoc_data.topics``, the help()
 topics: 466 KB of English and code, the same for every install of a Python version), one byte
-per token, to a held-out loss near 2 nats per byte; the weights are cached on disk, so later
+per token, to a held-out loss near 1.6 nats per byte; the weights are cached on disk, so later
 runs skip the training.
 
 Every runner decodes the same held-out windows teacher-forced: a prompt from the text, then

@@ -272,7 +272,8 @@ def _loaded() -> str | None:
     folder = default_cache_dir() / "kernels" / key
     folder.mkdir(parents=True, exist_ok=True)
     # The line optimize's progress shows while it builds (the first time: ~20 s).
-    log.info("block kernels: compiling autoopt's int8/int4 kernels (once on this machine)")
+    log.info("block kernels: compiling autoopt's own kernels (int8, int4, fp16, fp32; once on "
+             "this machine)")
     try:
         cpp_extension.load(f"autoopt_block_gemm_{key}", [str(_SOURCE)], extra_cflags=_FLAGS,
                            extra_ldflags=["-fopenmp"], build_directory=str(folder),
