@@ -12,8 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.fx import GraphModule, Node
-from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch.fx import GraphModule, Node, _lazy_graph_module
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.fx.operator_schemas import normalize_function
 
@@ -319,7 +318,7 @@ def copy_graph_module(gm: GraphModule, lazy: bool = False) -> GraphModule:
     the graph the pipeline returns is compiled (on a 12-layer Llama's three graphs, 56 code
     generations where there were 123: 3.3 s of setup, now 1.3)."""
     graph = copy.deepcopy(gm.graph)
-    cls = _LazyGraphModule if lazy else GraphModule
+    cls = _lazy_graph_module._LazyGraphModule if lazy else GraphModule
     new = cls(gm, graph, class_name=type(gm).__name__)
     new.meta = dict(getattr(gm, "meta", {}))
     return new
@@ -329,7 +328,7 @@ def realized(gm: GraphModule) -> GraphModule:
     """``gm`` with its Python code generated (a lazy copy's, see ``copy_graph_module``), so
     what reads its ``code`` or its forward's signature (exporters, Dynamo) sees the graph's;
     returns ``gm``."""
-    _LazyGraphModule.force_recompile(gm)
+    _lazy_graph_module._LazyGraphModule.force_recompile(gm)
     return gm
 
 
