@@ -169,11 +169,13 @@ def test_a_decoder_generates_on_the_kernel_through_each_backend(backend: str) ->
     """``optimize`` with the kernel named: every linear of the decode step runs on it, in
     ATen's graph and in Inductor's generated code (which calls the op), and generate makes
     the same tokens as the kernel's own model would: the step graph verified against eager's
-    logits within int4's tolerance, the tokens compared to eager's for sanity only."""
+    logits within int4's tolerance, the tokens compared to eager's for sanity only. ``force``:
+    this model's linears are so small that the kernel and fp32's race within a microsecond
+    (33 against 32 us in one run), and a measured refusal is not what is tested here."""
     model = _llama()
     ids = torch.randint(0, model.config.vocab_size, (1, 12))
     fast = autoopt.optimize(model, (ids,), precision="int4", backend=backend,
-                            pass_options={"precision": {"kernel": "int4_blocks",
+                            pass_options={"precision": {"kernel": "int4_blocks", "force": True,
                                                         "min_agreement": 0.0}})
     out = fast.generate(ids, max_new_tokens=6, do_sample=False)
     assert out.shape == (1, 18) and torch.equal(out[:, :12], ids)
