@@ -299,5 +299,6 @@ def rows_kernel_fits(weight: torch.Tensor, rows: int) -> bool:
 
 
 def available(device: torch.device) -> bool:
-    """Some packed linear (MKL's or oneDNN's) exists in this build and the target is the CPU."""
+    """Some packed linear exists in this build (MKL's, oneDNN's, FBGEMM's fp16) or may be
+    built (autoopt's GEMV, on an x86-64 CPU), and the target is the CPU."""
     return bool(kernels(device))
