@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 
 BLOCK = 32  # input features per activation scale (Q8_0's)
 _PANEL = 16  # output rows per panel: one vpdpbusd's int32 lanes
-_SOURCE = Path(__file__).with_name("block_gemm.cpp")
+_SOURCES = [Path(__file__).with_name(name)
+            for name in ("block_gemm.cpp", "decode_attention.cpp")]
 # OpenMP: ATen's parallel_for is inline OpenMP in an extension, and without the flag it ran
 # every panel on one thread (2 threads: 6.1 ms for a decode step's int4 linears, as at 1).
 _FLAGS = ["-O3", "-fopenmp"]
@@ -267,15 +268,16 @@ def _loaded() -> str | None:
         quiet.setLevel(level)
     if not cpp_extension.is_ninja_available():
         return "ninja to build them (pip install ninja)"
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     key = hashlib.sha256(source + repr((torch.__version__, _FLAGS)).encode()).hexdigest()[:12]
     folder = default_cache_dir() / "kernels" / key
     folder.mkdir(parents=True, exist_ok=True)
     # The line optimize's progress shows while it builds (the first time: ~20 s).
-    log.info("block kernels: compiling autoopt's own kernels (int8, int4, fp16, fp32; once on "
-             "this machine)")
+    log.info("block kernels: compiling autoopt's own kernels (int8, int4, fp16, fp32, decode "
+             "attention; once on this machine)")
     try:
-        cpp_extension.load(f"autoopt_block_gemm_{key}", [str(_SOURCE)], extra_cflags=_FLAGS,
+        cpp_extension.load(f"autoopt_block_gemm_{key}", [str(path) for path in _SOURCES],
+                           extra_cflags=_FLAGS,
                            extra_ldflags=["-fopenmp"], build_directory=str(folder),
                            is_python_module=False, verbose=False)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
@@ -292,6 +294,8 @@ _LIB.define("int8_linear(Tensor x, Tensor panels, Tensor scales, Tensor? bias, i
 _LIB.define("int4_linear(Tensor x, Tensor panels, int group, Tensor? bias, int out) -> Tensor")
 _LIB.define("fp16_linear(Tensor x, Tensor panels, Tensor? bias, int out) -> Tensor")
 _LIB.define("fp32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+# decode_attention.cpp: a few queries over a KV cache (see ``autoopt.passes.attention_window``)
+_LIB.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor")
 
 
 @torch.library.register_fake("autoopt_blocks::int8_linear")
@@ -315,3 +319,9 @@ def _fp16_fake(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
 @torch.library.register_fake("autoopt_blocks::fp32_linear")
 def _fp32_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.register_fake("autoopt_blocks::decode_attention")
+def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float) -> torch.Tensor:
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))

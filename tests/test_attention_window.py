@@ -151,8 +151,9 @@ def test_decoding_with_a_static_cache_gives_eager_tokens() -> None:
     assert torch.equal(fast.generate(ids, **kw), model.generate(ids, **kw))
     windowed = [(p.status, p.counts) for r in fast._generator.reports for c in r.captures
                 for p in c.passes if p.name == "attention_window"]
-    # The decode step's graph, each layer's attention; the prompt's has a symbolic length.
-    assert ("applied", {"attention_window": 2}) in windowed
+    # The decode step's graph, each layer's attention (windowed, or autoopt's decode kernel
+    # where it measured faster); the prompt's has a symbolic length.
+    assert any(status == "applied" and sum(counts.values()) == 2 for status, counts in windowed)
 
 
 @torch.no_grad()
@@ -172,4 +173,5 @@ def test_the_hybrid_backend_calls_the_window_between_inductors_regions() -> None
     # not applicable before the window: no kernel of autoopt's in that graph).
     choices = [c for r in fast._generator.reports for c in r.backends]
     assert any("hybrid" in c.seconds and "hybrid" not in c.skipped for c in choices)
-    assert all("windowed_sdpa ×2" in c.regions for c in choices if c.chosen == "hybrid")
+    assert all("windowed_sdpa ×2" in c.regions or "decode_attention ×2" in c.regions
+               for c in choices if c.chosen == "hybrid")

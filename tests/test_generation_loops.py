@@ -208,3 +208,66 @@ def test_other_source_lengths_share_the_encoder_decoders_decode_graph() -> None:
         assert steps is None or now == steps, length
         steps = now
     assert len(steps) == 1  # one decode graph; the first decoder step runs eagerly
+
+
+def test_decode_steps_after_a_calls_first_take_the_bound_route(monkeypatch) -> None:
+    """The first decode step of a call finds the step graph; the steps after it reuse it
+    (``autoopt.generation.bound``) without looking it up again, and the tokens are eager's,
+    greedy and sampled, call after call."""
+    from autoopt.generation.generator import Generator
+
+    model = _decoder()
+    fast = autoopt.optimize(model, (_ids(),))
+    found = []
+    lookup = Generator.step_for
+    monkeypatch.setattr(Generator, "step_for",
+                        lambda self, *a, **k: found.append(1) or lookup(self, *a, **k))
+    ids = _ids()
+    for call in range(2):
+        found.clear()
+        _assert_same(fast.generate(ids, max_new_tokens=12, **_GREEDY),
+                     model.generate(ids, max_new_tokens=12, **_GREEDY))
+        # The first call's prompt step allocates the cache, eagerly; the second's runs the
+        # prompt graph. Either way one lookup for the decode steps.
+        assert fast.generation_stats.graph_steps == 11 + call
+        assert len(found) == 1 + call
+    torch.manual_seed(5)
+    want = model.generate(ids, max_new_tokens=9, do_sample=True, top_k=20)
+    torch.manual_seed(5)
+    assert torch.equal(fast.generate(ids, max_new_tokens=9, do_sample=True, top_k=20), want)
+
+
+class _WritesWeights(transformers.LogitsProcessor):
+    """Adds the same noise to every linear weight of the model in place, at one step of the
+    call (what the step graphs pack or merge are copies of them): what later steps must
+    read."""
+
+    def __init__(self, model: nn.Module, at: int) -> None:
+        self.model, self.at, self.step = model, at, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        if self.step == self.at:
+            noise = torch.Generator().manual_seed(0)
+            with torch.no_grad():
+                for m in self.model.modules():
+                    if isinstance(m, nn.Linear):
+                        m.weight.add_(torch.randn(m.weight.shape, generator=noise))
+        return scores
+
+
+def test_a_weight_written_during_a_call_is_read_by_the_steps_after_it() -> None:
+    """The bound route checks the module's state as a call does: an in-place write to a
+    weight between two decode steps of one call drops the stale graph and the later steps
+    read the new weights, as eager's do."""
+    model = _decoder()
+    reference = copy.deepcopy(model)
+    fast = autoopt.optimize(model, (_ids(),))
+    ids = _ids()
+    fast.generate(ids, max_new_tokens=4, do_sample=False)  # step graphs built
+    want = reference.generate(ids, max_new_tokens=10, do_sample=False,
+                              logits_processor=[_WritesWeights(reference, 4)])
+    got = fast.generate(ids, max_new_tokens=10, do_sample=False,
+                        logits_processor=[_WritesWeights(fast.module, 4)])
+    assert torch.equal(got, want)
+    assert fast.generation_stats.eager_steps + fast.generation_stats.graph_steps == 10

@@ -77,7 +77,7 @@ class InputSignature:
             if isinstance(spec, TensorSpec):
                 if not isinstance(value, torch.Tensor) or not spec.matches(value):
                     return False
-            elif isinstance(value, torch.Tensor) or not _same_value(spec, value):
+            elif isinstance(value, torch.Tensor) or not same_value(spec, value):
                 return False
         return self.shapes is None or self.shapes.hold(leaves)
 
@@ -97,7 +97,7 @@ class InputSignature:
         return ", ".join(parts) if parts else "(no inputs)"
 
 
-def _same_value(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
     if a is b:
         return True
     if type(a) is not type(b):

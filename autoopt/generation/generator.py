@@ -42,6 +42,7 @@ from autoopt.capture import objects
 from autoopt.check.state import hook_keys
 from autoopt.compile.guards import training_flags
 from autoopt.errors import ConfigError, ModelError
+from autoopt.generation.bound import BoundStep
 from autoopt.generation.cache import (
     CACHE_BUCKET,
     MAX_CACHE_SHAPES,
@@ -130,6 +131,7 @@ class _Stepper:
         # logits to keep): it must see the model's own.
         self.__signature__ = inspect.signature(model.forward)
         self._last: tuple[Any, ...] | None = None
+        self._bound: BoundStep | None = None  # this call's decode step, once it ran
 
     def _flat(self, cache: Any) -> tuple[list[Any], pytree.TreeSpec, str]:
         """The cache's tensors, structure and the structure's text (part of a step graph's
@@ -148,6 +150,14 @@ class _Stepper:
         if self._eager_only:
             self._stats.eager_steps += 1
             return self._eager(*args, **kwargs)
+        bound = self._bound
+        if bound is not None and not args:
+            inputs = bound.inputs_of(kwargs)
+            if inputs is not None:
+                logits = bound.run(bound.tensors, **inputs)
+                count_tokens(bound.cache, 1)
+                self._stats.graph_steps += 1
+                return _Output(logits=logits, cache=bound.cache, past_key_values=bound.cache)
         first = not (self._stats.graph_steps or self._stats.eager_steps)
         found = [(k, v) for k, v in kwargs.items() if isinstance(v, Cache)]
         # The graph returns the logits alone.
@@ -184,6 +194,12 @@ class _Stepper:
         logits = step(tensors, **inputs)
         count_tokens(cache, tokens(inputs))
         self._stats.graph_steps += 1
+        if tokens(inputs) == 1:
+            run = step.runner_for((tensors,), inputs)
+            if run is not None:
+                self._bound = BoundStep(name, cache, [layer for c in caches(cache)
+                                                      for layer in c.layers],
+                                        tensors, inputs, run)
         return _Output(logits=logits, cache=cache, past_key_values=cache)
 
 
