@@ -14,7 +14,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
-#include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -48,6 +48,44 @@ static inline void ATTN_TARGET axpy(float *y, float a, const T *x, int64_t d) {
     for (; i + 16 <= d; i += 16)
         _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, load16(x + i), _mm512_loadu_ps(y + i)));
     for (; i < d; i++) y[i] += a * to_float(x[i]);
+}
+
+/* Lane i: the sum of v[i]'s 16 lanes (16 dot products' partial sums reduced at once: 45
+ * shuffles and adds where 16 horizontal reductions take ~130). */
+static inline __m512 ATTN_TARGET sums16(const __m512 *v) {
+    __m512 pairs[8], quads[4];
+    for (int i = 0; i < 8; i++)  // per 128-bit block: [a0+a2, b0+b2, a1+a3, b1+b3]
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                                 _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  // per block: the block's sum of each of 4 vectors
+        quads[i] = _mm512_add_ps(
+            _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+            _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* exp of 16 values (Cephes' expf polynomial, within 2 ulp); below -87.3, exactly 0 (the
+ * positions a float mask hides with -inf). */
+static inline __m512 ATTN_TARGET exp16(__m512 x) {
+    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_mov_ps(~under, _mm512_scalef_ps(p, n));
 }
 
 /* The tensors and sizes of one call, read once (at::Tensor's accessors are calls). */
@@ -86,35 +124,86 @@ static void ATTN_TARGET attend(const Problem<T> &p, int64_t b, int64_t g) {
     }
     const float hidden = -std::numeric_limits<float>::infinity();
     const T *keys = p.k + b * p.ks[0] + g * p.ks[1];
-    for (int64_t t = 0; t < n; t++) {
-        const int64_t j = seen[t];
-        const T *key = keys + j * p.ks[2];
-        for (int64_t r = 0; r < rows; r++) {
-            float s = hidden;
-            if (!p.mb || shared || p.mb[mrow[r] + j * mstep]) {
-                s = dot(qs.data() + r * D, key, D);
-                if (p.mf) s += p.mf[mrow[r] + j * mstep];
+    const bool lanes = D % 16 == 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *qr = qs.data() + r * D;
+        float *sr = scores.data() + r * L;
+        int64_t t = 0;
+        if (lanes) {  // 16 positions at once
+            for (; t + 16 <= n; t += 16) {
+                __m512 part[16];
+                for (int u = 0; u < 16; u++) part[u] = _mm512_setzero_ps();
+                for (int64_t d = 0; d < D; d += 16) {
+                    const __m512 qd = _mm512_loadu_ps(qr + d);
+                    for (int u = 0; u < 16; u++)
+                        part[u] = _mm512_fmadd_ps(qd, load16(keys + seen[t + u] * p.ks[2] + d),
+                                                  part[u]);
+                }
+                _mm512_storeu_ps(sr + t, sums16(part));
             }
-            scores[r * L + t] = s;
+        }
+        for (; t < n; t++) sr[t] = dot(qr, keys + seen[t] * p.ks[2], D);
+        for (t = 0; t < n; t++) {
+            const int64_t at = mrow[r] + seen[t] * mstep;
+            if (p.mb && !shared && !p.mb[at]) sr[t] = hidden;
+            else if (p.mf) sr[t] += p.mf[at];
         }
     }
     for (int64_t r = 0; r < rows; r++) {
-        float *s = scores.data() + r * L, top = hidden;
-        for (int64_t t = 0; t < n; t++) top = std::max(top, s[t]);
+        float *sr = scores.data() + r * L, top = hidden;
+        for (int64_t t = 0; t < n; t++) top = std::max(top, sr[t]);
         if (top == hidden) continue;  // hides every position: zeros
         float sum = 0.0f;
-        for (int64_t t = 0; t < n; t++) {
-            s[t] = std::exp(s[t] - top);
-            sum += s[t];
+        int64_t t = 0;
+        const __m512 shift = _mm512_set1_ps(top);
+        __m512 vsum = _mm512_setzero_ps();
+        for (; t + 16 <= n; t += 16) {
+            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + t), shift));
+            _mm512_storeu_ps(sr + t, e);
+            vsum = _mm512_add_ps(vsum, e);
         }
+        if (t < n) {
+            const __mmask16 tail = (__mmask16)((1u << (n - t)) - 1u);
+            __m512 e = _mm512_maskz_mov_ps(
+                tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sr + t), shift)));
+            _mm512_mask_storeu_ps(sr + t, tail, e);
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        sum = _mm512_reduce_add_ps(vsum);
         total[r] = sum;
     }
     const T *values = p.v + b * p.vs[0] + g * p.vs[1];
-    for (int64_t t = 0; t < n; t++) {
-        const T *value = values + seen[t] * p.vs[2];
-        for (int64_t r = 0; r < rows; r++) {
-            const float w = scores[r * L + t];
-            if (total[r] > 0.0f && w != 0.0f) axpy(acc.data() + r * D, w, value, D);
+    for (int64_t r = 0; r < rows; r++) {
+        if (total[r] <= 0.0f) continue;
+        const float *sr = scores.data() + r * L;
+        float *ar = acc.data() + r * D;
+        int64_t d = 0;
+        if (lanes) {  // 64 columns of the row in registers over every position
+            for (; d + 64 <= D; d += 64) {
+                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t t = 0; t < n; t++) {
+                    const __m512 w = _mm512_set1_ps(sr[t]);
+                    const T *value = values + seen[t] * p.vs[2] + d;
+                    a0 = _mm512_fmadd_ps(w, load16(value), a0);
+                    a1 = _mm512_fmadd_ps(w, load16(value + 16), a1);
+                    a2 = _mm512_fmadd_ps(w, load16(value + 32), a2);
+                    a3 = _mm512_fmadd_ps(w, load16(value + 48), a3);
+                }
+                _mm512_storeu_ps(ar + d, a0);
+                _mm512_storeu_ps(ar + d + 16, a1);
+                _mm512_storeu_ps(ar + d + 32, a2);
+                _mm512_storeu_ps(ar + d + 48, a3);
+            }
+            for (; d < D; d += 16) {
+                __m512 a = _mm512_setzero_ps();
+                for (int64_t t = 0; t < n; t++)
+                    a = _mm512_fmadd_ps(_mm512_set1_ps(sr[t]),
+                                        load16(values + seen[t] * p.vs[2] + d), a);
+                _mm512_storeu_ps(ar + d, a);
+            }
+        } else {
+            for (int64_t t = 0; t < n; t++)
+                if (sr[t] != 0.0f) axpy(ar, sr[t], values + seen[t] * p.vs[2], D);
         }
     }
     for (int64_t r = 0; r < rows; r++) {
