@@ -270,3 +270,28 @@ def test_a_first_call_inside_checkpoint_captures_and_recomputes_as_eager() -> No
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert [c.method for c in fast.report.captures] == ["export", "export"]
 
+
+
+def test_a_runner_skips_matching_inputs_but_not_the_modules_state() -> None:
+    """``runner_for``: the graph serving one signature, called without matching the inputs
+    again; a change of state (a folded buffer written in place), of mode (gradients on) or of
+    flags (train mode) takes the full call, which captures for it, as ``fast(x)`` would."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU()).eval()
+    x = torch.randn(4, 8)
+    fast = autoopt.optimize(model, (x,))
+    with torch.no_grad():
+        assert fast.runner_for((torch.randn(3, 9),)) is None  # no graph serves these yet
+        run = fast.runner_for((x,))
+        torch.testing.assert_close(run(x), model(x))
+        other = torch.randn(4, 8)
+        torch.testing.assert_close(run(other), model(other))
+        model[1].running_mean.add_(1.0)  # folded into the linear at capture
+        torch.testing.assert_close(run(x), model(x))
+    y = run(x)  # gradients on: the inference graph does not serve it
+    assert y.grad_fn is not None
+    torch.testing.assert_close(y, model(x))
+    fast.train()
+    model.train()
+    with torch.no_grad():
+        torch.testing.assert_close(run(x), model(x))
