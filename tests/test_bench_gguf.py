@@ -66,3 +66,22 @@ def test_an_f32_file_decodes_the_models_tokens_and_logits(build: object,
             assert torch.equal(tokens, eager)
     with pytest.raises(ValueError, match="batch 1"):
         runner.generate(ids.repeat(2, 1), 1)
+
+
+def test_the_ab_bench_times_both_runners_at_the_same_bits(monkeypatch, tmp_path) -> None:
+    """bench/decode_ab.py: one cell per precision, autoopt's and llama.cpp's tokens/s and
+    their ratio, from a model the bench builds."""
+    import re
+
+    import decode_ab
+    import generate
+
+    monkeypatch.setitem(generate.MODELS, "tiny", _llama)
+    cells = decode_ab.run("tiny", ["int8", "fp32"], threads=1, new=3, rounds=1,
+                          folder=tmp_path)
+    assert len(cells) == 2
+    # int8 on this tiny model may measure slower than fp32 here, and is then refused.
+    for cell in cells if cells[0] != "refused (no faster kernel)" else cells[1:]:
+        ours, theirs, ratio = re.fullmatch(r"([\d.]+) / ([\d.]+) \(([\d.]+)×\)", cell).groups()
+        assert float(ours) > 0 and float(theirs) > 0
+        assert abs(float(ratio) - float(ours) / float(theirs)) < 0.02 * float(ratio) + 0.01
