@@ -73,8 +73,8 @@ class OptimizedModule(nn.Module):
     original model (parameters live there and are shared with the graphs).
 
     Public surface for tools built on it: ``config``, ``is_dynamic``, ``specializations``,
-    ``specialization_for(args, kwargs)``, ``graph_for(args, kwargs)`` and
-    ``specialize(args, kwargs)``.
+    ``specialization_for(args, kwargs)``, ``graph_for(args, kwargs)``,
+    ``runner_for(args, kwargs)`` and ``specialize(args, kwargs)``.
     """
 
     def __init__(self, module: nn.Module, config: OptimizeConfig, *, dynamic: bool | None = None,
