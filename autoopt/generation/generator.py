@@ -31,28 +31,21 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from autoopt.capture import objects
 from autoopt.check.state import hook_keys
 from autoopt.compile.guards import training_flags
 from autoopt.errors import ConfigError, ModelError
-from autoopt.generation.bound import BoundStep
 from autoopt.generation.cache import (
     CACHE_BUCKET,
     MAX_CACHE_SHAPES,
     allocated,
-    caches,
-    count_tokens,
-    slides,
 )
 from autoopt.generation.call import (
-    batch,
     beyond_positions,
     eager_reason,
     max_positions,
@@ -62,6 +55,7 @@ from autoopt.generation.call import (
 )
 from autoopt.generation.refused import Refusals
 from autoopt.generation.returned import returned_cache
+from autoopt.generation.stepper import GenerationStats, RunEagerly, Stepper
 from autoopt.module.build import build
 from autoopt.module.optimized import OptimizedModule
 from autoopt.module.watch import ModuleWatch
@@ -71,22 +65,6 @@ from autoopt.options.precision import PROMPT_STEP
 log = logging.getLogger(__name__)
 
 __all__ = ["GenerationStats", "GenerativeModule", "defers_forward", "module_class"]
-
-
-@dataclass
-class GenerationStats:
-    """What the last ``generate`` call ran: steps through autoopt's graphs and eagerly."""
-
-    graph_steps: int = 0
-    eager_steps: int = 0
-    seconds: float = 0.0
-    cache_type: str = ""
-    note: str = ""
-
-    def __str__(self) -> str:
-        text = (f"generate: {self.graph_steps} step(s) through autoopt graphs, "
-                f"{self.eager_steps} eager, {self.seconds:.2f} s")
-        return text + (f" ({self.note})" if self.note else "")
 
 
 class _Step(nn.Module):
@@ -107,111 +85,6 @@ class _Step(nn.Module):
         cache = pytree.tree_unflatten(cache_tensors, self.cache_spec)
         out = self.model(**inputs, **{self.cache_name: cache})
         return out.logits if hasattr(out, "logits") else out[0]
-
-
-class _RunEagerly(Exception):  # noqa: N818 (a signal, not an error)
-    """Raised by the call's first step where autoopt's graphs cannot serve the call: nothing
-    has run yet, so ``Generator.generate`` runs the whole call eagerly instead."""
-
-
-class _Stepper:
-    """The forward ``generate`` calls: autoopt's graph where the cache is allocated, the
-    model's own forward where not (the step that allocates it); every step eagerly with
-    ``eager_only``."""
-
-    def __init__(self, optimized: Any, model: nn.Module, stats: GenerationStats,
-                 eager_only: bool = False) -> None:
-        self._optimized = optimized
-        # The model's own call, hooks and all: the driver's call runs none (see
-        # ``Generator._run``), so each step runs them once, here or inside the step graph.
-        self._eager = model
-        self._stats = stats
-        self._eager_only = eager_only
-        # generate reads the forward's signature to decide what to pass (position ids, which
-        # logits to keep): it must see the model's own.
-        self.__signature__ = inspect.signature(model.forward)
-        self._last: tuple[Any, ...] | None = None
-        self._bound: BoundStep | None = None  # this call's decode step, once it ran
-
-    def _flat(self, cache: Any) -> tuple[list[Any], pytree.TreeSpec, str]:
-        """The cache's tensors, structure and the structure's text (part of a step graph's
-        key), taken apart once per cache object (a static cache keeps its tensors from step
-        to step; ~0.6 ms a step otherwise, and 0.1 ms to write the structure out)."""
-        keys = [layer.keys for c in caches(cache) for layer in c.layers]
-        if self._last is None or self._last[0] is not cache or any(
-                a is not b for a, b in zip(self._last[1], keys, strict=True)):
-            tensors, spec = objects.flatten(cache)
-            self._last = (cache, keys, tensors, spec, str(spec))
-        return self._last[2], self._last[3], self._last[4]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from transformers.cache_utils import Cache
-
-        if self._eager_only:
-            self._stats.eager_steps += 1
-            return self._eager(*args, **kwargs)
-        bound = self._bound
-        if bound is not None and not args:
-            inputs = bound.inputs_of(kwargs)
-            if inputs is not None:
-                logits = bound.run(bound.tensors, **inputs)
-                count_tokens(bound.cache, 1)
-                self._stats.graph_steps += 1
-                return _Output(logits=logits, cache=bound.cache, past_key_values=bound.cache)
-        first = not (self._stats.graph_steps or self._stats.eager_steps)
-        found = [(k, v) for k, v in kwargs.items() if isinstance(v, Cache)]
-        # The graph returns the logits alone.
-        extra = [k for k in ("output_hidden_states", "output_attentions") if kwargs.get(k)]
-        if extra and first:
-            raise _RunEagerly(f"{'/'.join(extra)}=True: the step graphs return the logits "
-                              f"alone")
-        if found and first and slides(found[0][1]):
-            raise _RunEagerly("a sliding-window cache layer fills its window in this call "
-                              "(it keeps its length in a Python int, which a graph would "
-                              "replay)")
-        if args or len(found) != 1 or extra:
-            self._stats.eager_steps += 1
-            return self._eager(*args, **kwargs)
-        name, cache = found[0]
-        self._stats.cache_type = type(cache).__name__
-        if not allocated(cache):  # as the first call's cache was, if known
-            self._optimized.allocate(cache, batch(kwargs))
-        if not allocated(cache):
-            self._stats.eager_steps += 1
-            out = self._eager(*args, **kwargs)
-            self._optimized.remember_layout(cache)
-            return out
-        tensors, spec, spec_key = self._flat(cache)
-        if not all(isinstance(t, torch.Tensor) for t in tensors):
-            self._stats.eager_steps += 1
-            return self._eager(*args, **kwargs)
-        inputs = {k: v for k, v in kwargs.items() if k != name and v is not None}
-        inputs.setdefault("return_dict", True)
-        step = self._optimized.step_for(spec, name, tensors, inputs, spec_key)
-        if step is None:  # its graph was refused (see ``refused``): the model runs it
-            self._stats.eager_steps += 1
-            return self._eager(*args, **kwargs)
-        logits = step(tensors, **inputs)
-        count_tokens(cache, tokens(inputs))
-        self._stats.graph_steps += 1
-        if tokens(inputs) == 1:
-            run = step.runner_for((tensors,), inputs)
-            if run is not None:
-                self._bound = BoundStep(name, cache, [layer for c in caches(cache)
-                                                      for layer in c.layers],
-                                        tensors, inputs, run)
-        return _Output(logits=logits, cache=cache, past_key_values=cache)
-
-
-class _Output(dict):
-    """What ``generate`` reads of a model output: ``logits`` and the cache, by attribute or
-    key (``cache`` in transformers 5, ``past_key_values`` before)."""
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(name) from None
 
 
 def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -503,7 +376,7 @@ class Generator:
             try:
                 result = self._run(module, args, {**kwargs, "cache_implementation": "static"})
                 self._refused.served = True
-            except _RunEagerly as exc:  # raised before any step ran
+            except RunEagerly as exc:  # raised before any step ran
                 reason = str(exc)
         if reason is not None:
             # The user's own arguments (their cache too): what model.generate runs.
@@ -525,7 +398,7 @@ class Generator:
     def _run(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
              eager_only: bool = False) -> Any:
         driver = copy.copy(module)  # shares submodules, weights and hooks; its own forward
-        stepper = _Stepper(self, module, self.stats, eager_only)
+        stepper = Stepper(self, module, self.stats, eager_only)
         driver.forward = stepper
         # generate calls the driver, whose call would run the model's hooks (its dicts are the
         # model's) around a step that calls the model, which runs them again: twice a step (a
