@@ -143,7 +143,7 @@ def attention_window(gm: GraphModule, ctx: PassContext) -> PassResult:
                 _kernel_pays(ctx, q, k, v, mask, scale):
             node.target = torch.ops.autoopt_blocks.decode_attention.default
             node.args = (kwargs["query"], kwargs["key"], kwargs["value"], kwargs.get("attn_mask"),
-                         float(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])))
+                         _scale(q, scale))
             node.kwargs = {}
             rewritten += 1
             kernels += 1
@@ -159,6 +159,11 @@ def attention_window(gm: GraphModule, ctx: PassContext) -> PassResult:
         gm.recompile()
     counts = {"attention_window": rewritten - kernels, "decode_attention": kernels}
     return PassResult(gm, bool(rewritten), {k: v for k, v in counts.items() if v})
+
+
+def _scale(q: torch.Tensor, scale: float | None) -> float:
+    """The scale the attention call applies: its own, else ATen's default."""
+    return float(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
 
 
 def _kernel_serves(q: torch.Tensor, k: torch.Tensor, v: Any, mask: torch.Tensor | None,
@@ -202,7 +207,7 @@ def _kernel_pays(ctx: PassContext, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                 torch.where(seen, 0.0, float("-inf")).to(mask.dtype)).expand(mask.shape)
         mask = mask.contiguous()
     gqa = q.shape[1] != k.shape[1]
-    value = float(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    value = _scale(q, scale)
     what = (f"decode_attention|q{tuple(q.shape)}|kv{tuple(k.shape)}|"
             f"mask{tuple(mask.shape) if mask is not None else None}:"
             f"{mask.dtype if mask is not None else None}|{q.dtype}")
