@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import tempfile
@@ -102,13 +103,15 @@ def main() -> int:
         return 0
     torch.set_num_threads(args.threads)
     precisions = args.precisions.split(",")
+    # Load: the 1-minute load average when the model's rounds ended (about the thread count
+    # alone; more: other jobs shared the cores, and the row is not a quiet machine's).
     lines = ["| model | " + " | ".join(f"autoopt {p} / llama.cpp {KINDS[p]} tok/s"
-                                       for p in precisions) + " |",
-             "|---|" + "---|" * len(precisions)]
+                                       for p in precisions) + " | load |",
+             "|---|" + "---|" * (len(precisions) + 1)]
     with tempfile.TemporaryDirectory(prefix="autoopt-gguf-") as folder:
         for name in args.models.split(","):
             cells = run(name, precisions, args.threads, args.new, args.rounds, Path(folder))
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {os.getloadavg()[0]:.2f} |")
     print(f"\n{' '.join(sys.argv)}, {args.threads} thread(s), "
           f"{heading('', torch.device('cpu'))[1]}\n")
     print("\n".join(lines))
