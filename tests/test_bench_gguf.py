@@ -76,8 +76,14 @@ def test_the_ab_bench_times_both_runners_at_the_same_bits(monkeypatch, tmp_path)
     import decode_ab
     import generate
 
-    monkeypatch.setitem(generate.MODELS, "tiny", _llama)
-    cells = decode_ab.run("tiny", ["int8", "fp32"], threads=1, new=3, rounds=1,
+    def wider() -> torch.nn.Module:  # decode steps long enough to time against calls' jitter
+        config = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                                          num_hidden_layers=4, num_attention_heads=4,
+                                          num_key_value_heads=2, max_position_embeddings=128)
+        return transformers.LlamaForCausalLM(config).eval()
+
+    monkeypatch.setitem(generate.MODELS, "tiny", wider)
+    cells = decode_ab.run("tiny", ["int8", "fp32"], threads=1, new=16, rounds=3,
                           folder=tmp_path)
     assert len(cells) == 2 and cells[1] != "refused (no faster kernel)"  # fp32 always runs
     # int8 on this tiny model may measure slower than fp32 here, and is then refused.
