@@ -37,10 +37,12 @@ eligible linear gets the ``kernel`` option's kernel (default ``mkl``, as before 
 candidate; nothing when the build lacks it).
 
 For a linear of at most ``ROWS_KERNEL_MAX`` rows (a decode step's) on a contiguous ``(out, in)``
-weight, autoopt's own fp32 GEMV (``fp32_rows``, ``block_kernels``: 8 weight rows streamed at
-once, prefetched) is a candidate too. It reads the weight as it is, no copy. On a quiet Intel
-Xeon without AMX it measured 0.98-1.08x the speed of ATen's MKL GEMV on a decode step's shapes:
-a candidate, not a default.
+weight, autoopt's own fp32 GEMVs are candidates too (``block_kernels``): ``fp32_rows``, 8
+weight rows streamed at once, prefetched, and ``fp32_stream``, one row after another with no
+software prefetch. They read the weight as it is, no copy. On a quiet Intel Xeon without AMX
+the first measured 0.98-1.08x the speed of ATen's MKL GEMV on a decode step's shapes; on an
+AMD EPYC (Zen 5) the prefetch costs and the second reads 35-37 GB/s where the first reads
+25-31 and oneDNN's packed 26-32: candidates, measured per shape, not defaults.
 
 The price is memory: the packed copy is about the weight's size, held next to the original
 (which the graph shares with the user's model); the pass reports it as ``packed_mib``, and
@@ -93,6 +95,7 @@ from .merge_linear import CONCATENATED
 from .packed_kernels import (
     DTYPES,
     KERNELS,
+    OWN_FP32,
     Concatenation,
     PackedLinear,
     available,
@@ -189,7 +192,7 @@ def packed_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
         graph.erase_node(node)
         counts["linear"] += 1
         counts[kernel.kernel] += 1
-        if kernel.kernel != "fp32_rows" or linear.derived:  # else the model's weight itself
+        if kernel.kernel not in OWN_FP32 or linear.derived:  # else the model's weight itself
             packed_bytes += _bytes(linear.weight)
     counts["packed_mib"] = round(packed_bytes / 2**20)
     counts = {k: v for k, v in counts.items() if v}
@@ -298,9 +301,9 @@ def _usable(linear: _Linear, candidates: tuple[str, ...]) -> tuple[str, ...]:
     packed GEMM runs only at the row count it packed for (``aten.linear`` at any other), so a
     symbolic count leaves oneDNN, whose blocked weight serves any; MKL's is fp32 only."""
     return tuple(k for k in candidates if k in kernels_for(linear.weight.dtype)
-                 and not (k in ("mkl", "fp32_rows") and linear.dynamic)
+                 and not ((k == "mkl" or k in OWN_FP32) and linear.dynamic)
                  and not (k == "fbgemm_fp16" and not linear.fits_fp16)
-                 and not (k == "fp32_rows" and not linear.fits_rows_kernel))
+                 and not (k in OWN_FP32 and not linear.fits_rows_kernel))
 
 
 def _copies(ctx: PassContext, linear: _Linear, candidates: tuple[str, ...],

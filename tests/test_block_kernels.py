@@ -50,16 +50,19 @@ def test_each_kernel_equals_its_dequantized_reference(kernel: str, out: int, wid
         torch.testing.assert_close(got, want, rtol=0, atol=_rounding(want, width))
 
 
+@pytest.mark.parametrize("name", ["fp32_linear", "fp32_stream_linear"])
 @pytest.mark.parametrize(("out", "width", "rows"), [
-    (8, 16, 1), (1280, 768, 1), (37, 45, 2), (100, 2048, 4), (5, 7, 3), (16, 32, 0)])
-def test_the_fp32_gemv_equals_the_linear(out: int, width: int, rows: int) -> None:
-    """autoopt's fp32 GEMV (``packed_kernels``' ``fp32_rows``: the weight as the model holds
-    it, 8 rows of it at a time): any width (a tail of fewer than 16 features, masked), any
-    output count (a last strip of fewer than 8 rows), with and without a bias, at 1 and 2
-    threads alike (each output row is one thread's sum)."""
+    (8, 16, 1), (1280, 768, 1), (37, 45, 2), (100, 2048, 4), (5, 7, 3), (16, 32, 0),
+    (70, 48, 6), (9, 33, 5)])
+def test_the_fp32_gemv_equals_the_linear(name: str, out: int, width: int, rows: int) -> None:
+    """autoopt's fp32 GEMVs (``packed_kernels``' ``fp32_rows``: the weight as the model holds
+    it, 8 rows of it at a time; ``fp32_stream``: one row after another, up to 4 activation
+    rows a sweep): any width (a tail of fewer than 16 or 32 features, masked), any output
+    count (a last strip of fewer than 8 rows), more activation rows than a sweep takes, with
+    and without a bias, at 1 and 2 threads alike (each output row is one thread's sum)."""
     torch.manual_seed(out + width + rows)
     weight, x, bias = torch.randn(out, width), torch.randn(rows, width), torch.randn(out)
-    op = torch.ops.autoopt_blocks.fp32_linear
+    op = getattr(torch.ops.autoopt_blocks, name)
     threads = torch.get_num_threads()
     for b in (None, bias):
         want = torch.nn.functional.linear(x.double(), weight.double(),

@@ -25,6 +25,7 @@ from autoopt.passes.graph import portable, release_packed, restore_packed
 from autoopt.passes.packed_kernels import (
     _SHARED,
     KERNELS,
+    OWN_FP32,
     ROWS_KERNEL_MAX,
     PackedLinear,
     available,
@@ -199,7 +200,7 @@ def test_the_cost_model_chooses_and_remembers(tmp_path: Path) -> None:
     choices = {k: v for k, v in cost.cache.items() if k.startswith("fastest|linear|")}
     assert len(choices) == 2  # two distinct shapes, each measured every way this build has
     every = {f"{k}_packed" for k in kernels(CPU) if k in kernels_for(torch.float32)} | {"aten"}
-    every.discard("fp32_rows_packed")  # ten rows: more than a decode step's
+    every -= {f"{k}_packed" for k in OWN_FP32}  # ten rows: more than a decode step's
     assert all(set(v) == every for v in choices.values())
     assert counts.get("linear", 0) + counts.get("linear_kept_aten", 0) == 2
     assert counts.get("mkl", 0) + counts.get("onednn", 0) == counts.get("linear", 0)
@@ -258,8 +259,8 @@ def test_packed_weights_are_dropped_and_packed_again_to_the_same_results(kernel:
     weight itself: only a merged one is dropped and made again."""
     if kernel not in kernels(CPU):
         pytest.skip(f"this PyTorch build has no {kernel} packed linear")
-    if kernel == "fp32_rows":
-        _rows_kernel_drops_only_merged_weights()
+    if kernel in OWN_FP32:
+        _rows_kernel_drops_only_merged_weights(kernel)
         return
     model, ids = _small_bert()
     fast = autoopt.optimize(model, (ids,), backends=("aten",), pass_options={
@@ -283,18 +284,18 @@ def test_packed_weights_are_dropped_and_packed_again_to_the_same_results(kernel:
         assert torch.equal(fast(ids).last_hidden_state, expected)
 
 
-def _rows_kernel_drops_only_merged_weights() -> None:
+def _rows_kernel_drops_only_merged_weights(kernel: str) -> None:
     if block_kernels.unavailable() is not None:
         pytest.skip(f"autoopt's GEMV needs {block_kernels.unavailable()}")
     model, ids = _small_bert()
     ids = ids[:1, :1]  # one row per linear: a decode step's
     fast = autoopt.optimize(model, (ids,), backends=("aten",), pass_options={
-        "packed_linear": {"measure": False, "kernel": "fp32_rows"},
+        "packed_linear": {"measure": False, "kernel": kernel},
         "merge_linear": {"measure": False}})
     gm = fast.specializations[0].graph
     packed = _packed_calls(gm)
     merged = [k for k in packed if k.source is not None]
-    assert {k.kernel for k in packed} == {"fp32_rows"} and len(merged) == 2
+    assert {k.kernel for k in packed} == {kernel} and len(merged) == 2
     own = [k for k in packed if k.source is None]
     assert all(k.packed is k.weight for k in own)  # the model's weight, no copy
     with torch.no_grad():
@@ -415,7 +416,8 @@ def _kernels_called(gm: GraphModule) -> list[str]:
 
 @pytest.mark.parametrize("model_cls, shape", [(Before, (2, 5, 16)), (Conv1D, (3, 4, 16)),
                                               (Before, (1, 1, 16)), (Conv1D, (1, 16))])
-@pytest.mark.parametrize("choice", ["mkl_packed", "onednn_packed", "fp32_rows_packed", "aten"])
+@pytest.mark.parametrize("choice", ["mkl_packed", "onednn_packed", "fp32_rows_packed",
+                                    "fp32_stream_packed", "aten"])
 def test_the_measured_choice_offers_every_kernel_and_the_graph_calls_the_chosen(
         choice: str, model_cls: type[nn.Module], shape: tuple[int, ...]) -> None:
     """Each linear is offered ATen and every fp32 packed kernel; autoopt's GEMV only where it
@@ -429,7 +431,7 @@ def test_the_measured_choice_offers_every_kernel_and_the_graph_calls_the_chosen(
     every = {f"{k}_packed" for k in kernels(CPU) if k in kernels_for(torch.float32)} | {"aten"}
     if not (model_cls is Before and math.prod(shape[:-1]) <= ROWS_KERNEL_MAX
             and block_kernels.unavailable() is None):
-        every.discard("fp32_rows_packed")
+        every -= {f"{k}_packed" for k in OWN_FP32}
     assert cost.offered == [every, every]  # each linear: aten and every fp32 packed kernel
     if choice not in every:
         choice = "aten"
@@ -478,7 +480,7 @@ def test_without_mkl_the_choice_is_onednn_or_aten_and_the_default_rewrites_nothi
 
 
 def test_an_unknown_kernel_is_refused() -> None:
-    assert KERNELS == ("mkl", "onednn", "fbgemm_fp16", "fp32_rows")
+    assert KERNELS == ("mkl", "onednn", "fbgemm_fp16", "fp32_rows", "fp32_stream")
     with pytest.raises(ValueError, match="no kernel 'cublas'"):
         _rewrite(Before(), torch.randn(2, 5, 16), options={"kernel": "cublas"})
     with pytest.raises(ValueError, match="no kernel"):
