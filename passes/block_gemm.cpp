@@ -236,24 +236,37 @@ TARGET static void gemv_fp32(const float *x, int64_t m, int64_t k, const float *
     }
 }
 
-/* fp32 weights as the model holds them, one row at a time and no software prefetch: the weight
- * read as one sequential stream, which the hardware prefetcher follows. On an AMD EPYC (Zen 5,
- * 1 thread, weights from memory) the 8 prefetched streams above read a decode step's shapes
- * at 25-31 GB/s and this one stream at 35-37, where oneDNN's packed GEMV reads 26-32; the
- * Intel Xeon that chose the 8 streams may choose otherwise. ``packed_linear`` measures both.
- * Up to 4 activation rows share each weight load; 2 accumulators a row hide the FMA's
- * latency. Each output is one thread's sum, in the same order at any thread count. */
-template <int M>
-TARGET static void gemv_stream_rows(const float *x, int64_t k, const float *w, const float *bias,
+/* fp32 (or bf16) weights as the model holds them, one row at a time and no software
+ * prefetch: the weight read as one sequential stream, which the hardware prefetcher follows.
+ * On an AMD EPYC (Zen 5, 1 thread, weights from memory) the 8 prefetched streams above read a
+ * decode step's fp32 shapes at 25-31 GB/s and this one stream at 35-37, where oneDNN's packed
+ * GEMV reads 26-32; the Intel Xeon that chose the 8 streams may choose otherwise.
+ * ``packed_linear`` measures both. bf16 weights are widened to fp32 in registers (exact) and
+ * multiplied with fp32 activations: where oneDNN's bf16 GEMV and FBGEMM's fp16 one read ~14
+ * GB/s on that EPYC, the stream is bound by memory. Up to 4 activation rows share each weight
+ * load; 2 accumulators a row hide the FMA's latency. Each output is one thread's sum, in the
+ * same order at any thread count. */
+static inline __m512 TARGET load16(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 TARGET load16(const uint16_t *p) { return bf16_to_ps(p); }
+static inline __m512 TARGET load16(const float *p, __mmask16 lanes) {
+    return _mm512_maskz_loadu_ps(lanes, p);
+}
+static inline __m512 TARGET load16(const uint16_t *p, __mmask16 lanes) {
+    const __m256i h = _mm256_maskz_loadu_epi16(lanes, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <int M, typename W>
+TARGET static void gemv_stream_rows(const float *x, int64_t k, const W *w, const float *bias,
                                     int64_t n_out, float *y, int64_t first, int64_t last) {
     const int64_t whole = k / 32 * 32;
     for (int64_t o = first; o < last; o++) {
-        const float *row = w + o * k;
+        const W *row = w + o * k;
         __m512 acc[M][2];
         for (int r = 0; r < M; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
         int64_t j = 0;
         for (; j < whole; j += 32) {
-            const __m512 w0 = _mm512_loadu_ps(row + j), w1 = _mm512_loadu_ps(row + j + 16);
+            const __m512 w0 = load16(row + j), w1 = load16(row + j + 16);
             for (int r = 0; r < M; r++) {
                 acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * k + j), acc[r][0]);
                 acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * k + j + 16), acc[r][1]);
@@ -262,7 +275,7 @@ TARGET static void gemv_stream_rows(const float *x, int64_t k, const float *w, c
         for (; j < k; j += 16) {  // the last features, fewer than 32: masked where below 16
             const __mmask16 lanes =
                 k - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - j)) - 1u);
-            const __m512 w0 = _mm512_maskz_loadu_ps(lanes, row + j);
+            const __m512 w0 = load16(row + j, lanes);
             for (int r = 0; r < M; r++)
                 acc[r][0] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(lanes, x + r * k + j),
                                             acc[r][0]);
@@ -273,7 +286,8 @@ TARGET static void gemv_stream_rows(const float *x, int64_t k, const float *w, c
     }
 }
 
-TARGET static void gemv_stream(const float *x, int64_t m, int64_t k, const float *w,
+template <typename W>
+TARGET static void gemv_stream(const float *x, int64_t m, int64_t k, const W *w,
                                const float *bias, int64_t n_out, float *y, int64_t first,
                                int64_t last) {
     for (int64_t r = 0; r < m; r += 4) {  // activation rows in fours: each group one sweep
@@ -379,20 +393,31 @@ static at::Tensor fp16_linear(const at::Tensor &x, const at::Tensor &panels,
     return shaped(y, x, out);
 }
 
-static at::Tensor fp32_gemv(const char *name, bool stream, const at::Tensor &x,
-                            const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
+enum class Gemv { rows, stream, bf16_stream };
+
+static at::Tensor own_gemv(const char *name, Gemv kind, const at::Tensor &x,
+                           const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
     TORCH_CHECK(supported(), "autoopt_blocks: this CPU has no AVX-512 VNNI");
     const int64_t k = x.size(-1), out = weight.size(0);
-    TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
-                    weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == k,
-                "autoopt_blocks.", name, ": an fp32 input and a contiguous (out, in) fp32 "
-                "weight of its width");
-    at::Tensor rows = x.reshape({-1, k}).contiguous();
+    const at::ScalarType held = kind == Gemv::bf16_stream ? at::kBFloat16 : at::kFloat;
+    TORCH_CHECK(x.scalar_type() == held && weight.scalar_type() == held && weight.dim() == 2 &&
+                    weight.is_contiguous() && weight.size(1) == k,
+                "autoopt_blocks.", name, ": an input and a contiguous (out, in) weight of its "
+                "width, both ", held);
+    at::Tensor rows = x.reshape({-1, k}).to(at::kFloat).contiguous();
     const int64_t m = rows.size(0);
     at::Tensor keep, y = at::empty({m, out}, rows.options());
     const float *b = bias_of(bias, keep);
+    if (kind == Gemv::bf16_stream) {  // 64 rows of the weight per task
+        const uint16_t *w = reinterpret_cast<const uint16_t *>(weight.data_ptr<at::BFloat16>());
+        at::parallel_for(0, out, 64, [&](int64_t first, int64_t last) {
+            gemv_stream(rows.data_ptr<float>(), m, k, w, b, out, y.data_ptr<float>(), first,
+                        last);
+        });
+        return shaped(y, x, out);
+    }
     const float *w = weight.data_ptr<float>();
-    if (stream) {  // 64 rows of the weight per task
+    if (kind == Gemv::stream) {
         at::parallel_for(0, out, 64, [&](int64_t first, int64_t last) {
             gemv_stream(rows.data_ptr<float>(), m, k, w, b, out, y.data_ptr<float>(), first,
                         last);
@@ -408,12 +433,17 @@ static at::Tensor fp32_gemv(const char *name, bool stream, const at::Tensor &x,
 
 static at::Tensor fp32_linear(const at::Tensor &x, const at::Tensor &weight,
                               const std::optional<at::Tensor> &bias) {
-    return fp32_gemv("fp32_linear", false, x, weight, bias);
+    return own_gemv("fp32_linear", Gemv::rows, x, weight, bias);
 }
 
 static at::Tensor fp32_stream_linear(const at::Tensor &x, const at::Tensor &weight,
                                      const std::optional<at::Tensor> &bias) {
-    return fp32_gemv("fp32_stream_linear", true, x, weight, bias);
+    return own_gemv("fp32_stream_linear", Gemv::stream, x, weight, bias);
+}
+
+static at::Tensor bf16_stream_linear(const at::Tensor &x, const at::Tensor &weight,
+                                     const std::optional<at::Tensor> &bias) {
+    return own_gemv("bf16_stream_linear", Gemv::bf16_stream, x, weight, bias);
 }
 
 TORCH_LIBRARY_FRAGMENT(autoopt_blocks, m) {
@@ -426,4 +456,5 @@ TORCH_LIBRARY_IMPL(autoopt_blocks, CPU, m) {
     m.impl("fp16_linear", &fp16_linear);
     m.impl("fp32_linear", &fp32_linear);
     m.impl("fp32_stream_linear", &fp32_stream_linear);
+    m.impl("bf16_stream_linear", &bf16_stream_linear);
 }

@@ -295,6 +295,7 @@ _LIB.define("int4_linear(Tensor x, Tensor panels, int group, Tensor? bias, int o
 _LIB.define("fp16_linear(Tensor x, Tensor panels, Tensor? bias, int out) -> Tensor")
 _LIB.define("fp32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIB.define("fp32_stream_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIB.define("bf16_stream_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 # decode_attention.cpp: a few queries over a KV cache (see ``autoopt.passes.attention_window``)
 _LIB.define("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor")
 
@@ -319,6 +320,7 @@ def _fp16_fake(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
 
 @torch.library.register_fake("autoopt_blocks::fp32_linear")
 @torch.library.register_fake("autoopt_blocks::fp32_stream_linear")
+@torch.library.register_fake("autoopt_blocks::bf16_stream_linear")
 def _fp32_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 

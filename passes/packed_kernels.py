@@ -23,14 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-# The packed kernels, in the order ties and the unmeasured default prefer them. ``fp32_rows``
-# and ``fp32_stream`` are autoopt's own GEMVs (``block_kernels``) on the weight as it is, no
-# copy: candidates for linears of a few rows (``ROWS_KERNEL_MAX``), a decode step's. The first
-# streams 8 weight rows at once, prefetched ahead; the second one row after another, which
-# the hardware prefetcher follows (faster on an AMD EPYC, where the software prefetch costs).
-KERNELS = ("mkl", "onednn", "fbgemm_fp16", "fp32_rows", "fp32_stream")
-# autoopt's own fp32 GEMVs, by their op (a weight as the model holds it, nothing packed).
-OWN_FP32 = {"fp32_rows": "fp32_linear", "fp32_stream": "fp32_stream_linear"}
+# The packed kernels, in the order ties and the unmeasured default prefer them. ``fp32_rows``,
+# ``fp32_stream`` and ``bf16_stream`` are autoopt's own GEMVs (``block_kernels``) on the
+# weight as it is, no copy: candidates for linears of a few rows (``ROWS_KERNEL_MAX``), a
+# decode step's. The first streams 8 weight rows at once, prefetched ahead; the others one row
+# after another, which the hardware prefetcher follows (faster on an AMD EPYC, where the
+# software prefetch costs), the last on bf16 weights widened in registers.
+KERNELS = ("mkl", "onednn", "fbgemm_fp16", "fp32_rows", "fp32_stream", "bf16_stream")
+# autoopt's own GEMVs, by their op (a weight as the model holds it, nothing packed).
+OWN_GEMV = {"fp32_rows": "fp32_linear", "fp32_stream": "fp32_stream_linear",
+            "bf16_stream": "bf16_stream_linear"}
 ROWS_KERNEL_MAX = 4
 # Kernels that run on their packed copy alone (a weight a pass made is not kept beside it).
 _PACKED_ONLY = ("onednn", "fbgemm_fp16")
@@ -88,8 +90,8 @@ class PackedLinear:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         if self.kernel == "fbgemm_fp16":
             return _fp16_linear(x, self.packed, bias)
-        if self.kernel in OWN_FP32:
-            return getattr(torch.ops.autoopt_blocks, OWN_FP32[self.kernel])(x, self.packed, bias)
+        if self.kernel in OWN_GEMV:
+            return getattr(torch.ops.autoopt_blocks, OWN_GEMV[self.kernel])(x, self.packed, bias)
         threads = torch.get_num_threads()
         if threads != self.threads:
             # MKL packs for the thread count of the moment: a weight packed at 1 thread runs on
@@ -104,7 +106,7 @@ class PackedLinear:
         dropped (none where it cannot be packed again: a pass's weight with no source)."""
         if self.packed is None or (self.weight.is_meta and self.source is None):
             return 0
-        if self.kernel in OWN_FP32:
+        if self.kernel in OWN_GEMV:
             if self.source is None:
                 return 0  # the weight itself: nothing of ours to drop
             dropped = self.weight.nbytes  # a merged weight, concatenated again on restore
@@ -137,7 +139,7 @@ class PackedLinear:
                                   else _identity(self.source, weight))
         if self.kernel == "fbgemm_fp16":
             return pack_fp16(weight)
-        if self.kernel in OWN_FP32:
+        if self.kernel in OWN_GEMV:
             return weight.contiguous()  # the weight itself (``rows_kernel_fits``)
         return torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), self.rows)
 
@@ -274,7 +276,7 @@ def kernels(device: torch.device) -> tuple[str, ...]:
         "fbgemm_fp16": (fbgemm_engine() is not None
                         and hasattr(torch.ops.quantized, "linear_prepack_fp16")),
         # Built on first use: asked by ``rows_kernel_fits``, for a linear they may serve.
-        **dict.fromkeys(OWN_FP32, platform.machine().lower() in ("x86_64", "amd64")),
+        **dict.fromkeys(OWN_GEMV, platform.machine().lower() in ("x86_64", "amd64")),
     }
     return tuple(k for k in KERNELS if found[k])
 
@@ -284,21 +286,22 @@ def kernels_for(dtype: torch.dtype) -> tuple[str, ...]:
     where this build and CPU run oneDNN in bf16 (elsewhere oneDNN refuses it); FBGEMM's fp16
     GEMM bf16 only (its fp16 weight would round an fp32 one)."""
     if dtype == torch.float32:
-        return ("mkl", "onednn", *OWN_FP32)
+        return ("mkl", "onednn", "fp32_rows", "fp32_stream")
     if dtype == torch.bfloat16:
         return (("onednn",) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ()) + (
-            "fbgemm_fp16",)
+            "fbgemm_fp16", "bf16_stream")
     return ()
 
 
 def rows_kernel_fits(weight: torch.Tensor, rows: int) -> bool:
-    """Whether ``fp32_rows`` and ``fp32_stream`` serve a linear: a few rows of fp32
-    activations, a contiguous ``(out, in)`` fp32 weight (GPT-2's transposed ``Conv1D`` view is
-    not: a copy would double its bytes), and the kernels built on this machine (AVX-512, a
-    compiler: see ``block_kernels.unavailable``)."""
+    """Whether autoopt's own GEMVs (``OWN_GEMV``) serve a linear: a few rows of activations, a
+    contiguous ``(out, in)`` fp32 or bf16 weight (GPT-2's transposed ``Conv1D`` view is not: a
+    copy would double its bytes), and the kernels built on this machine (AVX-512, a compiler:
+    see ``block_kernels.unavailable``). ``kernels_for`` says which of them takes the dtype."""
     from . import block_kernels
 
-    return (rows <= ROWS_KERNEL_MAX and weight.dtype == torch.float32 and weight.dim() == 2
+    return (rows <= ROWS_KERNEL_MAX and weight.dtype in (torch.float32, torch.bfloat16)
+            and weight.dim() == 2
             and weight.is_contiguous() and block_kernels.unavailable() is None)
 
 

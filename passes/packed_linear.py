@@ -95,7 +95,7 @@ from .merge_linear import CONCATENATED
 from .packed_kernels import (
     DTYPES,
     KERNELS,
-    OWN_FP32,
+    OWN_GEMV,
     Concatenation,
     PackedLinear,
     available,
@@ -192,7 +192,7 @@ def packed_linear(gm: GraphModule, ctx: PassContext) -> PassResult:
         graph.erase_node(node)
         counts["linear"] += 1
         counts[kernel.kernel] += 1
-        if kernel.kernel not in OWN_FP32 or linear.derived:  # else the model's weight itself
+        if kernel.kernel not in OWN_GEMV or linear.derived:  # else the model's weight itself
             packed_bytes += _bytes(linear.weight)
     counts["packed_mib"] = round(packed_bytes / 2**20)
     counts = {k: v for k, v in counts.items() if v}
@@ -301,9 +301,9 @@ def _usable(linear: _Linear, candidates: tuple[str, ...]) -> tuple[str, ...]:
     packed GEMM runs only at the row count it packed for (``aten.linear`` at any other), so a
     symbolic count leaves oneDNN, whose blocked weight serves any; MKL's is fp32 only."""
     return tuple(k for k in candidates if k in kernels_for(linear.weight.dtype)
-                 and not ((k == "mkl" or k in OWN_FP32) and linear.dynamic)
+                 and not ((k == "mkl" or k in OWN_GEMV) and linear.dynamic)
                  and not (k == "fbgemm_fp16" and not linear.fits_fp16)
-                 and not (k in OWN_FP32 and not linear.fits_rows_kernel))
+                 and not (k in OWN_GEMV and not linear.fits_rows_kernel))
 
 
 def _copies(ctx: PassContext, linear: _Linear, candidates: tuple[str, ...],

@@ -80,6 +80,35 @@ def test_the_fp32_gemv_equals_the_linear(name: str, out: int, width: int, rows: 
         op(x, weight.t().contiguous().t(), None)  # Conv1D's transposed view: not taken
 
 
+@pytest.mark.parametrize(("out", "width", "rows"), [
+    (8, 16, 1), (1280, 768, 1), (37, 45, 2), (100, 2048, 4), (9, 33, 5)])
+def test_the_bf16_gemv_is_the_fp32_one_on_the_widened_weight(out: int, width: int,
+                                                              rows: int) -> None:
+    """``bf16_stream``: bf16 weights and activations widened to fp32 (exactly), the fp32
+    stream's sums, one rounding to bf16 at the end: the same bits as ``fp32_stream`` on the
+    widened tensors, rounded; at 1 and 2 threads alike. An fp32 input or weight is refused."""
+    torch.manual_seed(out + width + rows)
+    weight = torch.randn(out, width).bfloat16()
+    x, bias = torch.randn(rows, width).bfloat16(), torch.randn(out)
+    op = torch.ops.autoopt_blocks.bf16_stream_linear
+    threads = torch.get_num_threads()
+    for b in (None, bias):
+        wide = torch.ops.autoopt_blocks.fp32_stream_linear(x.float(), weight.float(), b)
+        try:
+            torch.set_num_threads(1)
+            one = op(x, weight, b)
+            torch.set_num_threads(2)
+            two = op(x, weight, b)
+        finally:
+            torch.set_num_threads(threads)
+        assert one.dtype == torch.bfloat16 and torch.equal(one, two)
+        assert torch.equal(one, wide.bfloat16())
+    with pytest.raises(RuntimeError, match="BFloat16"):
+        op(x.float(), weight, None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(x, weight.t().contiguous().t(), None)
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_groups_and_the_activation_blocks(group: int) -> None:
     """A group of 64 or 128 features holds two or four activation blocks: each block takes

@@ -25,7 +25,7 @@ from autoopt.passes.graph import portable, release_packed, restore_packed
 from autoopt.passes.packed_kernels import (
     _SHARED,
     KERNELS,
-    OWN_FP32,
+    OWN_GEMV,
     ROWS_KERNEL_MAX,
     PackedLinear,
     available,
@@ -200,7 +200,7 @@ def test_the_cost_model_chooses_and_remembers(tmp_path: Path) -> None:
     choices = {k: v for k, v in cost.cache.items() if k.startswith("fastest|linear|")}
     assert len(choices) == 2  # two distinct shapes, each measured every way this build has
     every = {f"{k}_packed" for k in kernels(CPU) if k in kernels_for(torch.float32)} | {"aten"}
-    every -= {f"{k}_packed" for k in OWN_FP32}  # ten rows: more than a decode step's
+    every -= {f"{k}_packed" for k in OWN_GEMV}  # ten rows: more than a decode step's
     assert all(set(v) == every for v in choices.values())
     assert counts.get("linear", 0) + counts.get("linear_kept_aten", 0) == 2
     assert counts.get("mkl", 0) + counts.get("onednn", 0) == counts.get("linear", 0)
@@ -259,7 +259,7 @@ def test_packed_weights_are_dropped_and_packed_again_to_the_same_results(kernel:
     weight itself: only a merged one is dropped and made again."""
     if kernel not in kernels(CPU):
         pytest.skip(f"this PyTorch build has no {kernel} packed linear")
-    if kernel in OWN_FP32:
+    if kernel in OWN_GEMV:
         _rows_kernel_drops_only_merged_weights(kernel)
         return
     model, ids = _small_bert()
@@ -431,7 +431,7 @@ def test_the_measured_choice_offers_every_kernel_and_the_graph_calls_the_chosen(
     every = {f"{k}_packed" for k in kernels(CPU) if k in kernels_for(torch.float32)} | {"aten"}
     if not (model_cls is Before and math.prod(shape[:-1]) <= ROWS_KERNEL_MAX
             and block_kernels.unavailable() is None):
-        every -= {f"{k}_packed" for k in OWN_FP32}
+        every -= {f"{k}_packed" for k in OWN_GEMV}
     assert cost.offered == [every, every]  # each linear: aten and every fp32 packed kernel
     if choice not in every:
         choice = "aten"
@@ -480,7 +480,8 @@ def test_without_mkl_the_choice_is_onednn_or_aten_and_the_default_rewrites_nothi
 
 
 def test_an_unknown_kernel_is_refused() -> None:
-    assert KERNELS == ("mkl", "onednn", "fbgemm_fp16", "fp32_rows", "fp32_stream")
+    assert KERNELS == ("mkl", "onednn", "fbgemm_fp16", "fp32_rows", "fp32_stream",
+                       "bf16_stream")
     with pytest.raises(ValueError, match="no kernel 'cublas'"):
         _rewrite(Before(), torch.randn(2, 5, 16), options={"kernel": "cublas"})
     with pytest.raises(ValueError, match="no kernel"):
@@ -588,22 +589,30 @@ def test_a_weight_made_under_inference_mode_is_packed_on_its_own() -> None:
 @requires_onednn
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                     reason="oneDNN runs no bf16 on this CPU")
-@pytest.mark.parametrize("choice", ["onednn_packed", "fbgemm_fp16_packed", "aten"])
+@pytest.mark.parametrize("shape", [(2, 5, 16), (1, 1, 16)])
+@pytest.mark.parametrize("choice", ["onednn_packed", "fbgemm_fp16_packed", "bf16_stream_packed",
+                                    "aten"])
 def test_bf16_linears_are_offered_onednn_fbgemm_and_aten_and_compute_the_same(
-        choice: str) -> None:
+        choice: str, shape: tuple[int, ...]) -> None:
     """precision='bf16' stores the linears' weights in bf16, and ATen's bf16 linear ran slower
     than oneDNN's packed one (a decode step's output projection: 9.2 against 7.6 ms from
     memory, 1 thread, Intel Xeon with AMX): bf16 linears are offered oneDNN's kernel and
-    FBGEMM's fp16 GEMM beside ATen (MKL's packed sgemm is fp32 only), with the dtype in the
-    cost model's key, and the packed graph computes what ATen's does, within bf16 rounding."""
+    FBGEMM's fp16 GEMM beside ATen (MKL's packed sgemm is fp32 only), and at a decode step's
+    row count autoopt's bf16 GEMV, with the dtype in the cost model's key, and the packed graph
+    computes what ATen's does, within bf16 rounding."""
     if choice == "fbgemm_fp16_packed" and "fbgemm_fp16" not in kernels(CPU):
         pytest.skip("this PyTorch build has no FBGEMM engine")
+    rows_kernels = math.prod(shape[:-1]) <= ROWS_KERNEL_MAX and block_kernels.unavailable() is None
+    if choice == "bf16_stream_packed" and not rows_kernels:
+        pytest.skip("autoopt's GEMVs take a decode step's few rows, on a CPU that builds them")
     model = Before().eval().to(torch.bfloat16)
-    x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
+    x = torch.randn(shape, dtype=torch.bfloat16)
     cost = Chooses(choice)
     gm, counts = _rewrite(model, x, cost=cost)
-    assert cost.offered == [{f"{k}_packed" for k in kernels(CPU)
-                             if k in kernels_for(torch.bfloat16)} | {"aten"}] * 2
+    offered = {f"{k}_packed" for k in kernels(CPU) if k in kernels_for(torch.bfloat16)}
+    if not rows_kernels:
+        offered -= {f"{k}_packed" for k in OWN_GEMV}
+    assert cost.offered == [offered | {"aten"}] * 2
     assert all("torch.bfloat16" in what for what, _ in cost.asked)
     kernel = choice.removesuffix("_packed")
     if choice == "aten":
@@ -611,7 +620,7 @@ def test_bf16_linears_are_offered_onednn_fbgemm_and_aten_and_compute_the_same(
     else:
         assert counts == {"linear": 2, kernel: 2} and _kernels_called(gm) == [kernel] * 2
     for _ in range(3):
-        x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
+        x = torch.randn(shape, dtype=torch.bfloat16)
         with torch.no_grad():
             got, want = gm(x), model(x)
         assert got.dtype == torch.bfloat16
