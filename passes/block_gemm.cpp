@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #define BLOCK 32
 /* Bytes read ahead of the block in hand: one thread's stream from memory ran at 7.6 GB/s
@@ -256,9 +257,9 @@ static inline __m512 TARGET load16(const uint16_t *p, __mmask16 lanes) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-template <int M, typename W>
+template <int M, typename W, typename Y>
 TARGET static void gemv_stream_rows(const float *x, int64_t k, const W *w, const float *bias,
-                                    int64_t n_out, float *y, int64_t first, int64_t last) {
+                                    int64_t n_out, Y *y, int64_t first, int64_t last) {
     const int64_t whole = k / 32 * 32;
     for (int64_t o = first; o < last; o++) {
         const W *row = w + o * k;
@@ -280,19 +281,19 @@ TARGET static void gemv_stream_rows(const float *x, int64_t k, const W *w, const
                 acc[r][0] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(lanes, x + r * k + j),
                                             acc[r][0]);
         }
-        for (int r = 0; r < M; r++)
-            y[r * n_out + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) +
-                               (bias ? bias[o] : 0.0f);
+        for (int r = 0; r < M; r++)  // rounded once, to nearest even, where Y is bf16
+            y[r * n_out + o] = Y(_mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) +
+                                 (bias ? bias[o] : 0.0f));
     }
 }
 
-template <typename W>
+template <typename W, typename Y>
 TARGET static void gemv_stream(const float *x, int64_t m, int64_t k, const W *w,
-                               const float *bias, int64_t n_out, float *y, int64_t first,
+                               const float *bias, int64_t n_out, Y *y, int64_t first,
                                int64_t last) {
     for (int64_t r = 0; r < m; r += 4) {  // activation rows in fours: each group one sweep
         const float *xr = x + r * k;
-        float *yr = y + r * n_out;
+        Y *yr = y + r * n_out;
         switch (std::min<int64_t>(4, m - r)) {
         case 1: gemv_stream_rows<1>(xr, k, w, bias, n_out, yr, first, last); break;
         case 2: gemv_stream_rows<2>(xr, k, w, bias, n_out, yr, first, last); break;
@@ -404,18 +405,29 @@ static at::Tensor own_gemv(const char *name, Gemv kind, const at::Tensor &x,
                     weight.is_contiguous() && weight.size(1) == k,
                 "autoopt_blocks.", name, ": an input and a contiguous (out, in) weight of its "
                 "width, both ", held);
-    at::Tensor rows = x.reshape({-1, k}).to(at::kFloat).contiguous();
-    const int64_t m = rows.size(0);
-    at::Tensor keep, y = at::empty({m, out}, rows.options());
+    at::Tensor keep;
     const float *b = bias_of(bias, keep);
-    if (kind == Gemv::bf16_stream) {  // 64 rows of the weight per task
+    if (kind == Gemv::bf16_stream) {
+        // The activations widened here and the outputs rounded in the kernel: two tensor
+        // conversions a call were ~10 us of a 50-150 us decode-step GEMV.
+        const at::Tensor held_rows = x.reshape({-1, k}).contiguous();
+        const int64_t m = held_rows.size(0);
+        const at::BFloat16 *xb = held_rows.data_ptr<at::BFloat16>();
+        std::vector<float> rows(m * k);
+        for (int64_t i = 0; i < m * k; i++) rows[i] = float(xb[i]);
+        at::Tensor y = at::empty({m, out}, held_rows.options());
         const uint16_t *w = reinterpret_cast<const uint16_t *>(weight.data_ptr<at::BFloat16>());
+        at::BFloat16 *yb = y.data_ptr<at::BFloat16>();
         at::parallel_for(0, out, 64, [&](int64_t first, int64_t last) {
-            gemv_stream(rows.data_ptr<float>(), m, k, w, b, out, y.data_ptr<float>(), first,
-                        last);
+            gemv_stream(rows.data(), m, k, w, b, out, yb, first, last);
         });
-        return shaped(y, x, out);
+        std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+        sizes.back() = out;
+        return y.view(sizes);
     }
+    at::Tensor rows = x.reshape({-1, k}).contiguous();
+    const int64_t m = rows.size(0);
+    at::Tensor y = at::empty({m, out}, rows.options());
     const float *w = weight.data_ptr<float>();
     if (kind == Gemv::stream) {
         at::parallel_for(0, out, 64, [&](int64_t first, int64_t last) {
