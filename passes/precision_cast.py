@@ -362,7 +362,14 @@ def _store_params(gm: GraphModule, nodes: set[Node], dtype: torch.dtype) -> int:
     for node in nodes:
         target = str(node.target)
         if target not in done:
-            value = attr(gm, node).detach().to(dtype)
+            value = attr(gm, node).detach()
+            # A weight read only as a matmul's right side ((in, out): GPT-2's Conv1D) is stored
+            # as its transpose laid out row by row: the (out, in) rows that a decode step's
+            # GEMV streams (``packed_kernels.rows_kernel_fits``) at no extra memory, where
+            # copying the transposed view would double the low-precision weights. Matmuls
+            # take either layout.
+            value = (value.t().to(dtype).contiguous().t() if _right_side_only(node, value)
+                     else value.to(dtype))
             name = fresh_name(gm, target.replace(".", "_") + "_" + str(dtype).split(".")[-1])
             gm.register_buffer(name, value)
             done[target] = name
@@ -372,6 +379,15 @@ def _store_params(gm: GraphModule, nodes: set[Node], dtype: torch.dtype) -> int:
         # user's fp32 weights the driver would read it as again.
         node.meta.pop(MERGED_FROM, None)
     return len(done)
+
+
+def _right_side_only(node: Node, value: torch.Tensor) -> bool:
+    """Whether the 2-D constant ``node`` is read by ``mm``/``addmm`` as their weight alone."""
+    return value.dim() == 2 and bool(node.users) and all(
+        (user.target in ops.MM.aten and user.args[1:2] == (node,) and node not in user.args[:1])
+        or (user.target in ops.ADDMM.aten and user.args[2:3] == (node,)
+            and node not in user.args[:2])
+        for user in node.users)
 
 
 def _restore_outputs(output: Node, out_dtype: Any, original: dict[Node, Any], cast: Any,

@@ -664,3 +664,27 @@ def test_fbgemm_fp16_computes_the_bf16_linear_in_fp32_and_packs_again_alike() ->
     assert torch.equal(kernel(x, bias), expected)
     from autoopt.passes.packed_kernels import fits_fp16
     assert fits_fp16(weight) and not fits_fp16(torch.full((2, 2), 7e4, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(block_kernels.unavailable() is not None,
+                    reason=f"autoopt's GEMVs need {block_kernels.unavailable()}")
+def test_a_conv1d_weight_stored_in_bf16_is_streamed_row_by_row() -> None:
+    """precision='bf16' stores a weight read only as a matmul's right side ((in, out):
+    GPT-2's Conv1D) as its transpose laid out row by row, so that a decode step's GEMV reads
+    its (out, in) rows without a second copy: every linear of a one-row Conv1D model can take
+    ``bf16_stream``, and the graph computes what the model does within bf16 rounding."""
+    torch.manual_seed(0)
+    model, x = Conv1D().eval(), torch.randn(1, 1, 16)
+    fast = autoopt.optimize(model, (x,), precision="bf16", backends=("aten",), pass_options={
+        "packed_linear": {"measure": False, "kernel": "bf16_stream"}})
+    gm = fast.specializations[0].graph
+    packed = _packed_calls(gm)
+    assert [k.kernel for k in packed] == ["bf16_stream"] * 2
+    assert all(k.packed.dtype == torch.bfloat16 and k.packed.is_contiguous() for k in packed)
+    assert {k.packed.data_ptr() for k in packed} <= {
+        t.data_ptr() for t in gm.buffers()}  # the stored weights themselves: no copy
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(1, 1, 16)
+            torch.testing.assert_close(fast(x), model(x), rtol=3e-2, atol=3e-2)
+    assert model.weight.dtype == torch.float32 and model.weight.is_contiguous()
