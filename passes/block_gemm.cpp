@@ -240,11 +240,11 @@ TARGET static void gemv_fp32(const float *x, int64_t m, int64_t k, const float *
 /* fp32 (or bf16) weights as the model holds them, one row at a time and no software
  * prefetch: the weight read as one sequential stream, which the hardware prefetcher follows.
  * On an AMD EPYC (Zen 5, 1 thread, weights from memory) the 8 prefetched streams above read a
- * decode step's fp32 shapes at 25-31 GB/s and this one stream at 35-37, where oneDNN's packed
- * GEMV reads 26-32; the Intel Xeon that chose the 8 streams may choose otherwise.
+ * decode step's fp32 shapes at 19-28 GB/s and this one stream at 25-33, where oneDNN's packed
+ * GEMV reads 20-28; the Intel Xeon that chose the 8 streams may choose otherwise.
  * ``packed_linear`` measures both. bf16 weights are widened to fp32 in registers (exact) and
- * multiplied with fp32 activations: where oneDNN's bf16 GEMV and FBGEMM's fp16 one read ~14
- * GB/s on that EPYC, the stream is bound by memory. Up to 4 activation rows share each weight
+ * multiplied with fp32 activations: 21-30 GB/s on that EPYC where oneDNN's bf16 GEMV read
+ * 20-26 and FBGEMM's fp16 one 17-29 (bench/decode_gemv.py). Up to 4 activation rows share each weight
  * load; 2 accumulators a row hide the FMA's latency. Each output is one thread's sum, in the
  * same order at any thread count. */
 static inline __m512 TARGET load16(const float *p) { return _mm512_loadu_ps(p); }

@@ -41,8 +41,9 @@ weight, autoopt's own fp32 GEMVs are candidates too (``block_kernels``): ``fp32_
 weight rows streamed at once, prefetched, and ``fp32_stream``, one row after another with no
 software prefetch. They read the weight as it is, no copy. On a quiet Intel Xeon without AMX
 the first measured 0.98-1.08x the speed of ATen's MKL GEMV on a decode step's shapes; on an
-AMD EPYC (Zen 5) the prefetch costs and the second reads 35-37 GB/s where the first reads
-25-31 and oneDNN's packed 26-32: candidates, measured per shape, not defaults.
+AMD EPYC (Zen 5) the prefetch costs and the second reads 25-33 GB/s where the first reads
+19-28 and oneDNN's packed 20-28 (``bench/decode_gemv.py``): candidates, measured per shape,
+not defaults.
 
 The price is memory: the packed copy is about the weight's size, held next to the original
 (which the graph shares with the user's model); the pass reports it as ``packed_mib``, and
