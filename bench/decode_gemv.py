@@ -33,6 +33,7 @@ from cost_model_accuracy import heading, publish  # noqa: E402
 from generate import bandwidth  # noqa: E402
 
 from autoopt.passes.packed_kernels import (  # noqa: E402
+    OWN_GEMV,
     PackedLinear,
     kernels,
     kernels_for,
@@ -59,9 +60,8 @@ def candidates(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], Packe
     for kernel in kernels(torch.device("cpu")):
         if kernel not in kernels_for(weight.dtype):
             continue
-        if kernel.endswith("_stream") or kernel == "fp32_rows":
-            if not rows_kernel_fits(weight, 1):
-                continue
+        if kernel in OWN_GEMV and not rows_kernel_fits(weight, 1):
+            continue
         made[kernel] = lambda w, kernel=kernel: PackedLinear(w, 1, kernel)
     return made
 

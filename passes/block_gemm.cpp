@@ -244,9 +244,9 @@ TARGET static void gemv_fp32(const float *x, int64_t m, int64_t k, const float *
  * GEMV reads 20-28; the Intel Xeon that chose the 8 streams may choose otherwise.
  * ``packed_linear`` measures both. bf16 weights are widened to fp32 in registers (exact) and
  * multiplied with fp32 activations: 21-30 GB/s on that EPYC where oneDNN's bf16 GEMV read
- * 20-26 and FBGEMM's fp16 one 17-29 (bench/decode_gemv.py). Up to 4 activation rows share each weight
- * load; 2 accumulators a row hide the FMA's latency. Each output is one thread's sum, in the
- * same order at any thread count. */
+ * 20-26 and FBGEMM's fp16 one 17-29 (bench/decode_gemv.py). Up to 4 activation rows share
+ * each weight load; 2 accumulators a row hide the FMA's latency. Each output is one thread's
+ * sum, in the same order at any thread count. */
 static inline __m512 TARGET load16(const float *p) { return _mm512_loadu_ps(p); }
 static inline __m512 TARGET load16(const uint16_t *p) { return bf16_to_ps(p); }
 static inline __m512 TARGET load16(const float *p, __mmask16 lanes) {
@@ -421,9 +421,7 @@ static at::Tensor own_gemv(const char *name, Gemv kind, const at::Tensor &x,
         at::parallel_for(0, out, 64, [&](int64_t first, int64_t last) {
             gemv_stream(rows.data(), m, k, w, b, out, yb, first, last);
         });
-        std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
-        sizes.back() = out;
-        return y.view(sizes);
+        return shaped(y, x, out);  // y is in x's dtype already: a view, no conversion
     }
     at::Tensor rows = x.reshape({-1, k}).contiguous();
     const int64_t m = rows.size(0);

@@ -368,7 +368,8 @@ def _store_params(gm: GraphModule, nodes: set[Node], dtype: torch.dtype) -> int:
             # GEMV streams (``packed_kernels.rows_kernel_fits``) at no extra memory, where
             # copying the transposed view would double the low-precision weights. Matmuls
             # take either layout.
-            value = (value.t().to(dtype).contiguous().t() if _right_side_only(node, value)
+            value = (value.t().to(dtype, memory_format=torch.contiguous_format).t()
+                     if _right_side_only(node, value)
                      else value.to(dtype))
             name = fresh_name(gm, target.replace(".", "_") + "_" + str(dtype).split(".")[-1])
             gm.register_buffer(name, value)

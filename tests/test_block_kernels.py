@@ -6,6 +6,7 @@ compiler: elsewhere these tests skip with the reason ``unavailable()`` gives."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -29,6 +30,18 @@ def _rounding(reference: torch.Tensor, width: int) -> float:
     """fp32 sums of ``width`` products taken in another order: a few ulps of the largest."""
     largest = float(reference.abs().max()) if reference.numel() else 0.0
     return 4 * width * torch.finfo(torch.float32).eps * max(1.0, largest)
+
+
+def _at_1_and_2_threads(run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``run()`` at 1 thread and at 2, the caller's thread count put back."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        return one, run()
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("kernel", sorted(PACK))
@@ -63,17 +76,10 @@ def test_the_fp32_gemv_equals_the_linear(name: str, out: int, width: int, rows: 
     torch.manual_seed(out + width + rows)
     weight, x, bias = torch.randn(out, width), torch.randn(rows, width), torch.randn(out)
     op = getattr(torch.ops.autoopt_blocks, name)
-    threads = torch.get_num_threads()
     for b in (None, bias):
         want = torch.nn.functional.linear(x.double(), weight.double(),
                                           None if b is None else b.double()).float()
-        try:
-            torch.set_num_threads(1)
-            one = op(x, weight, b)
-            torch.set_num_threads(2)
-            two = op(x, weight, b)
-        finally:
-            torch.set_num_threads(threads)
+        one, two = _at_1_and_2_threads(lambda b=b: op(x, weight, b))
         assert one.shape == (rows, out) and torch.equal(one, two)
         torch.testing.assert_close(one, want, rtol=0, atol=_rounding(want, width))
     with pytest.raises(RuntimeError, match="contiguous"):
@@ -91,16 +97,9 @@ def test_the_bf16_gemv_is_the_fp32_one_on_the_widened_weight(out: int, width: in
     weight = torch.randn(out, width).bfloat16()
     x, bias = torch.randn(rows, width).bfloat16(), torch.randn(out)
     op = torch.ops.autoopt_blocks.bf16_stream_linear
-    threads = torch.get_num_threads()
     for b in (None, bias):
         wide = torch.ops.autoopt_blocks.fp32_stream_linear(x.float(), weight.float(), b)
-        try:
-            torch.set_num_threads(1)
-            one = op(x, weight, b)
-            torch.set_num_threads(2)
-            two = op(x, weight, b)
-        finally:
-            torch.set_num_threads(threads)
+        one, two = _at_1_and_2_threads(lambda b=b: op(x, weight, b))
         assert one.dtype == torch.bfloat16 and torch.equal(one, two)
         assert torch.equal(one, wide.bfloat16())
     with pytest.raises(RuntimeError, match="BFloat16"):
@@ -147,14 +146,7 @@ def test_inputs_in_other_layouts_and_dtypes() -> None:
     assert torch.equal(block_kernels.linear(x, packed, None), want)
     low = block_kernels.linear(x.to(torch.bfloat16), packed, None)
     assert low.dtype == torch.bfloat16
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = block_kernels.linear(x, packed, None)
-        torch.set_num_threads(2)
-        two = block_kernels.linear(x, packed, None)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = _at_1_and_2_threads(lambda: block_kernels.linear(x, packed, None))
     assert torch.equal(one, two)
 
 
