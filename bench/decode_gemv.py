@@ -13,12 +13,13 @@ autoopt's own GEMVs (``fp32_rows``: 8 weight rows streamed at once, prefetched;
 and FBGEMM's fp16 kernel beside ATen's. Each only where this build and CPU have it. GB/s =
 bytes of weight read / median seconds; the last column is the fastest kernel's fraction of
 the memory bandwidth ``bench/generate.py`` measures (a sum over a large tensor or the best
-such GEMV, the faster).
+such GEMV, the faster), and each row records the load average it ran under.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -94,22 +95,26 @@ def bench_shape(out: int, width: int, dtype: torch.dtype, rounds: int,
     return {name: read / statistics.median(s) / 1e9 for name, s in samples.items()}
 
 
-def table(rows: list[tuple[str, int, int, torch.dtype, dict[str, float]]],
-          bytes_per_s: float) -> str:
-    names = list(dict.fromkeys(k for *_, speeds in rows for k in speeds))
-    lines = ["| shape | out x in | dtype | " + " | ".join(names) + " | fastest | of bandwidth |",
-             "|---|---|---|" + "---|" * len(names) + "---|---|"]
-    for where, out, width, dtype, speeds in rows:
+Row = tuple[str, int, int, torch.dtype, dict[str, float], float]  # ..., speeds, load
+
+
+def table(rows: list[Row], bytes_per_s: float) -> str:
+    names = list(dict.fromkeys(k for row in rows for k in row[4]))
+    lines = ["| shape | out x in | dtype | " + " | ".join(names)
+             + " | fastest | of bandwidth | load |",
+             "|---|---|---|" + "---|" * len(names) + "---|---|---|"]
+    for where, out, width, dtype, speeds, load in rows:
         best = max(speeds, key=speeds.__getitem__)
         cells = [f"{speeds[n]:.1f}" if n in speeds else "-" for n in names]
         lines.append(f"| {where} | {out} x {width} | {str(dtype).split('.')[-1]} | "
-                     + " | ".join(cells) + f" | {best} | {speeds[best] * 1e9 / bytes_per_s:.0%} |")
+                     + " | ".join(cells)
+                     + f" | {best} | {speeds[best] * 1e9 / bytes_per_s:.0%} | {load:.2f} |")
     return "\n".join(lines)
 
 
 def run(threads: int, rounds: int, sweep_mib: int, shapes: list[tuple[str, int, int]] = SHAPES,
         dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
-        ) -> tuple[list[tuple[str, int, int, torch.dtype, dict[str, float]]], float]:
+        ) -> tuple[list[Row], float]:
     torch.set_num_threads(threads)
     bytes_per_s = bandwidth(torch.device("cpu"))
     rows = []
@@ -118,7 +123,9 @@ def run(threads: int, rounds: int, sweep_mib: int, shapes: list[tuple[str, int, 
             speeds = bench_shape(out, width, dtype, rounds, sweep_mib * 2**20)
             print(f"[{where}, {dtype}] " + ", ".join(f"{k} {v:.1f} GB/s"
                                                      for k, v in speeds.items()), flush=True)
-            rows.append((where, out, width, dtype, speeds))
+            # The 1-minute load average as the row ended: about the thread count alone; more,
+            # other jobs shared the cores and the row is not a quiet machine's.
+            rows.append((where, out, width, dtype, speeds, os.getloadavg()[0]))
     return rows, bytes_per_s
 
 

@@ -24,7 +24,8 @@ def test_every_kernel_of_each_dtype_is_timed_and_the_fastest_named() -> None:
         torch.set_num_threads(threads)
     assert bytes_per_s > 0 and len(rows) == 4
     own = block_kernels.unavailable() is None
-    for _, _, _, dtype, speeds in rows:
+    for _, _, _, dtype, speeds, load in rows:
+        assert load >= 0
         expected = {"aten"} | {k for k in kernels(torch.device("cpu"))
                                if k in kernels_for(dtype)
                                and (own or k not in OWN_GEMV)}
@@ -33,5 +34,6 @@ def test_every_kernel_of_each_dtype_is_timed_and_the_fastest_named() -> None:
     text = decode_gemv.table(rows, bytes_per_s)
     lines = text.splitlines()
     assert len(lines) == 2 + len(rows)
-    for line, (_, _, _, _, speeds) in zip(lines[2:], rows, strict=True):
+    for line, (_, _, _, _, speeds, load) in zip(lines[2:], rows, strict=True):
         assert f"| {max(speeds, key=speeds.__getitem__)} |" in line
+        assert line.endswith(f" | {load:.2f} |")

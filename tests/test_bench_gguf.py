@@ -91,3 +91,16 @@ def test_the_ab_bench_times_both_runners_at_the_same_bits(monkeypatch, tmp_path)
         ours, theirs, ratio = re.fullmatch(r"([\d.]+) / ([\d.]+) \(([\d.]+)×\)", cell).groups()
         assert float(ours) > 0 and float(theirs) > 0
         assert abs(float(ratio) - float(ours) / float(theirs)) < 0.02 * float(ratio) + 0.01
+
+
+def test_a_decode_time_below_the_calls_jitter_is_not_reported_as_a_speed(monkeypatch,
+                                                                         tmp_path) -> None:
+    """On a model so small that a longer call can time no slower than a 1-token call (CI: the
+    tiny model's llama.cpp step at -0.01 ms), the cell says so instead of a speed."""
+    import decode_ab
+    import generate
+
+    monkeypatch.setitem(generate.MODELS, "tiny", _llama)
+    monkeypatch.setattr(decode_ab, "decode_ms", lambda call, new: -0.01)
+    cells = decode_ab.run("tiny", ["fp32"], threads=1, new=2, rounds=1, folder=tmp_path)
+    assert cells == ["not timed: a longer call was no slower than a 1-token call"]
